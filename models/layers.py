@@ -1,0 +1,56 @@
+"""Building blocks shared by the decoders: RMSNorm, RoPE, activations."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "activation"]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool) -> jax.Array:
+  """RMSNorm over the last axis, computed in f32; scale is ``w`` or ``1 + w`` (Gemma)."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  w = weight.astype(jnp.float32)
+  y = y * (1.0 + w if plus_one else w)
+  return y.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple[tuple[str, float], ...] | None):
+  """Inverse frequencies ``f32[H/2]``; supports Llama 3.1 "llama3" scaling (HF semantics)."""
+  inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+  if scaling:
+    s = dict(scaling)
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - low) / (high - low)
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    inv = np.where(is_mid, mid, scaled)
+  return jnp.asarray(inv, dtype=jnp.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotate-half (NeoX/HF) RoPE. ``x``: ``[B, T, heads, H]``; ``positions``: ``i32[B, T]``."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def activation(name: str, x: jax.Array) -> jax.Array:
+  if name == "silu":
+    return jax.nn.silu(x)
+  if name == "gelu_tanh":
+    return jax.nn.gelu(x, approximate=True)
+  raise ValueError(f"activation {name=} must be 'silu' or 'gelu_tanh'")

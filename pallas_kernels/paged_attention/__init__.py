@@ -1,0 +1,76 @@
+"""Ragged paged attention: public function and implementation dispatch.
+
+``implementation`` is "reference", a backend name, or a sequence tried in order; a
+backend that cannot serve the shapes raises ``NotImplementedError`` and only then is
+the next one tried. Nothing else is caught.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from pallas_kernels.paged_attention.reference import (
+    kv_cache_shape,
+    paged_attention_reference,
+    query_positions,
+    write_kv,
+)
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "kv_cache_shape",
+    "paged_attention",
+    "query_positions",
+    "resolve_implementation",
+    "write_kv",
+]
+
+IMPLEMENTATIONS = ("reference",)
+
+
+def _backend(name: str):
+  if name == "reference":
+    return paged_attention_reference
+  raise ValueError(f"{name=} is not a paged-attention implementation; allowed: {IMPLEMENTATIONS}")
+
+
+def resolve_implementation(implementation: str | Sequence[str]) -> tuple[str, ...]:
+  """Validates and normalizes ``implementation`` to a tuple of backend names."""
+  names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+  if not names:
+    raise ValueError(f"{implementation=} must name at least one of {IMPLEMENTATIONS}")
+  for name in names:
+    _backend(name)
+  return names
+
+
+def paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    page_indices: jax.Array,
+    kv_lens: jax.Array,
+    q_lens: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    tree_mask: jax.Array | None = None,
+    implementation: str | Sequence[str] = "reference",
+) -> jax.Array:
+  """Causal paged attention; see ``reference.paged_attention_reference`` for shapes.
+
+  Raises:
+    ValueError: unknown implementation name.
+    NotImplementedError: no listed implementation supports these shapes.
+  """
+  errors = []
+  for name in resolve_implementation(implementation):
+    try:
+      return _backend(name)(
+          q, kv_pages, page_indices, kv_lens, q_lens,
+          sm_scale=sm_scale, sliding_window=sliding_window, tree_mask=tree_mask,
+      )
+    except NotImplementedError as e:  # only "this backend can't do these shapes"
+      errors.append(f"{name}: {e}")
+  raise NotImplementedError("no paged-attention implementation accepted the call: " + "; ".join(errors))

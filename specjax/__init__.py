@@ -1,0 +1,1 @@
+"""specjax: speculative decoding, run and measured under one JAX runtime."""

@@ -1,0 +1,27 @@
+"""Step metadata pytrees passed into jitted step functions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+__all__ = ["AttentionMetadata"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+  """What a device step knows about the batch (see ``pallas_kernels.paged_attention``).
+
+  Attributes:
+    page_indices: ``i32[B, pages_per_seq]``, -1 padded.
+    kv_lens: ``i32[B]`` KV length after this step's tokens are written (0 for padding rows).
+    q_lens: ``i32[B]`` real query tokens of each row (0 for padding rows).
+    tree_mask: optional ``bool[B, T, T]`` among the step's tokens (tree verification).
+  """
+
+  page_indices: jax.Array
+  kv_lens: jax.Array
+  q_lens: jax.Array
+  tree_mask: jax.Array | None = None
