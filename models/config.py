@@ -34,7 +34,8 @@ class ModelConfig:
   rms_norm_eps: float = 1e-6
   rope_theta: float = 10000.0
   rope_local_theta: float | None = None
-  rope_scaling: tuple[tuple[str, float], ...] | None = None  # Llama 3.1 "llama3" scaling
+  # HF rope_parameters items of the global layers: rope_type "llama3" (Llama 3.1) or "linear".
+  rope_scaling: tuple[tuple[str, float | str], ...] | None = None
   max_position_embeddings: int = 8192
   tie_word_embeddings: bool = True
   attention_bias: bool = False

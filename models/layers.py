@@ -20,11 +20,31 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool) -> jax
   return y.astype(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: tuple[tuple[str, float], ...] | None):
-  """Inverse frequencies ``f32[H/2]``; supports Llama 3.1 "llama3" scaling (HF semantics)."""
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: tuple[tuple[str, float | str], ...] | None
+) -> jax.Array:
+  """Inverse frequencies ``f32[H/2]`` with optional HF-style RoPE scaling.
+
+  Args:
+    head_dim: H (even).
+    theta: RoPE base.
+    scaling: ``None`` or the items of an HF ``rope_parameters`` dict. ``rope_type``
+      "llama3" (Llama 3.1; the default when ``rope_type`` is absent) needs ``factor``,
+      ``low_freq_factor``, ``high_freq_factor`` and ``original_max_position_embeddings``;
+      "linear" (Gemma 3 global layers) needs ``factor``.
+
+  Returns:
+    ``f32[H/2]``.
+
+  Raises:
+    ValueError: unsupported ``rope_type``.
+  """
   inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-  if scaling:
-    s = dict(scaling)
+  s = dict(scaling or ())
+  rope_type = s.get("rope_type", "llama3")
+  if scaling and rope_type == "linear":
+    inv = inv / float(s["factor"])
+  elif scaling and rope_type == "llama3":
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old = s["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old / low, old / high
@@ -34,6 +54,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple[tuple[str, float],
     mid = (1 - smooth) * scaled / factor + smooth * scaled
     is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     inv = np.where(is_mid, mid, scaled)
+  elif scaling:
+    raise ValueError(f"{rope_type=} must be 'llama3' or 'linear'")
   return jnp.asarray(inv, dtype=jnp.float32)
 
 

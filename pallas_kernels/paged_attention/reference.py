@@ -118,8 +118,12 @@ def paged_attention_reference(
         tree_mask, jnp.broadcast_to(jnp.clip(rel, 0, num_tokens - 1), mask.shape), axis=2
     )
     mask &= jnp.where(in_step, allowed, True)
-  values = jnp.where(page_ok[:, :, None, None], values, 0)
-  keys = jnp.where(page_ok[:, :, None, None], keys, 0)
+  # Zero every slot that is not a written key (padding pages and slots at or past
+  # kv_lens, e.g. the NaN-filled tail of a row's last page): masked probabilities are 0,
+  # but 0 * NaN would still poison the weighted sum over values.
+  written = page_ok & (k_pos < kv_lens[:, None])  # [B, S]
+  values = jnp.where(written[:, :, None, None], values, 0)
+  keys = jnp.where(written[:, :, None, None], keys, 0)
   qg = q.reshape(batch, num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
   logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, keys.astype(jnp.float32)) * sm_scale
   logits = jnp.where(mask[:, None, None], logits, -jnp.inf)

@@ -1,0 +1,1 @@
+"""Speculative decoding methods as plugins of one interface (see ``methods.base``)."""

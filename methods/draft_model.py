@@ -1,0 +1,165 @@
+"""Draft-model speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
+
+A smaller model with the same tokenizer drafts k tokens autoregressively with its own
+paged KV cache, which shares the target's page table (same page ids, its own arrays).
+After verification its KV is rolled back to the accepted length by bookkeeping only:
+each request's valid draft KV length is ``min(written, committed - 1)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from methods.base import Capabilities, Draft, Method
+from models.llama import init_kv_caches
+from specjax.batch import AttentionMetadata
+from specjax.sampling import STREAM_DRAFT, position_keys, processed_probs, sample_from_probs
+from specjax.steps import forward_step
+
+__all__ = ["DraftModel", "draft_tokens_step"]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "k", "all_greedy", "implementation"),
+    donate_argnames=("kv_caches",),
+)
+def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetadata,
+                      temperature, top_k, top_p, keys, positions, *, k, all_greedy,
+                      implementation):
+  """Drafts k tokens per row.
+
+  Args:
+    pending: ``i32[B, 2]`` tokens not yet in the draft KV (1 or 2 per row, q_lens says).
+    meta: q_lens = pending counts (0 = padding row), kv_lens after writing them.
+    positions: ``i32[B]`` absolute position of the first draft token.
+
+  Returns:
+    ``(kv_caches, tokens i32[B, k], probs f32[B, k, V] or None when all_greedy)``.
+  """
+  model = nnx.merge(graphdef, params)
+
+  def pick(logits, pos):  # logits [B, V]
+    if all_greedy:
+      tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      return tok, jnp.zeros((logits.shape[0], 0), jnp.float32)
+    probs = processed_probs(logits[:, None], temperature, top_k, top_p)[:, 0]
+    tok = sample_from_probs(probs, position_keys(keys, pos, STREAM_DRAFT))
+    return tok, probs
+
+  idx = jnp.maximum(meta.q_lens - 1, 0)[:, None]
+  kv_caches, out = model(kv_caches, pending, meta, logits_indices=idx,
+                         implementation=implementation)
+  tok, probs = pick(out.logits[:, 0], positions)
+  active = meta.q_lens > 0
+
+  def body(carry, i):
+    caches, tok = carry
+    step_meta = AttentionMetadata(meta.page_indices, jnp.where(active, meta.kv_lens + i, 0),
+                                  active.astype(jnp.int32))
+    caches, o = model(caches, tok[:, None], step_meta,
+                      logits_indices=jnp.zeros_like(tok)[:, None], implementation=implementation)
+    nxt, p = pick(o.logits[:, 0], positions + i)
+    return (caches, nxt), (nxt, p)
+
+  (kv_caches, _), (toks, ps) = jax.lax.scan(body, (kv_caches, tok), jnp.arange(1, k))
+  tokens = jnp.concatenate([tok[:, None], toks.T], axis=1)
+  if all_greedy:
+    return kv_caches, tokens, None
+  probs = jnp.concatenate([probs[:, None], jnp.moveaxis(ps, 0, 1)], axis=1)
+  return kv_caches, tokens, probs
+
+
+@dataclasses.dataclass
+class _State:
+  runtime: object
+  kv_caches: list
+  written: dict  # request id -> draft KV positions written
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftModel(Method):
+  """k-token autoregressive drafting with a second model (``--draft``)."""
+
+  name = "draft_model"
+  k: int = 4
+
+  def __post_init__(self):
+    if self.k < 1:
+      raise ValueError(f"num_speculative_tokens k={self.k} must be >= 1")
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    return self.k
+
+  def capabilities(self) -> Capabilities:
+    return Capabilities(runs_on="device", emits_draft_probs=True, needs_draft_model=True)
+
+  def init_state(self, runtime):
+    caches = init_kv_caches(runtime.draft.config, runtime.num_pages, runtime.page_size)
+    return _State(runtime, caches, {})
+
+  def propose(self, state: _State, ctx):
+    rt = state.runtime
+    draft = rt.draft
+    rows = len(ctx.request_ids)
+    batch = ctx.page_indices.shape[0]
+    for rid in ctx.new_requests:
+      state.written[rid] = 0
+    valid = [min(state.written.get(rid, 0), len(t) - 1)
+             for rid, t in zip(ctx.request_ids, ctx.token_ids)]
+    # Catch up rows that lag by more than two tokens (new or preempted requests).
+    lag = [len(t) - 1 - v for t, v in zip(ctx.token_ids, valid)]
+    if max(lag, default=0) > 1:
+      t_len = 16
+      while t_len < max(lag):
+        t_len *= 2
+      tokens = np.zeros((batch, t_len), np.int32)
+      q_lens = np.zeros(batch, np.int32)
+      kv_lens = np.zeros(batch, np.int32)
+      for i, (t, v) in enumerate(zip(ctx.token_ids, valid)):
+        if lag[i] > 1:
+          tokens[i, : lag[i]] = t[v: len(t) - 1]
+          q_lens[i], kv_lens[i] = lag[i], len(t) - 1
+          valid[i] = len(t) - 1
+      meta = AttentionMetadata(ctx.page_indices, kv_lens, q_lens)
+      state.kv_caches, _, _ = forward_step(
+          draft.graphdef, draft.params, state.kv_caches, tokens, meta,
+          np.maximum(q_lens - 1, 0)[:, None], implementation=rt.attention_implementation)
+    pending = np.zeros((batch, 2), np.int32)
+    q_lens = np.zeros(batch, np.int32)
+    kv_lens = np.zeros(batch, np.int32)
+    positions = np.zeros(batch, np.int32)
+    for i, (t, v) in enumerate(zip(ctx.token_ids, valid)):
+      if ctx.budgets[i] <= 0:
+        continue
+      n_pend = len(t) - v  # 1 or 2
+      pending[i, :n_pend] = t[v:]
+      q_lens[i], kv_lens[i], positions[i] = n_pend, len(t), len(t)
+    all_greedy = bool(np.all(ctx.temperature[:rows] == 0))
+    meta = AttentionMetadata(ctx.page_indices, kv_lens, q_lens)
+    state.kv_caches, tokens, probs = draft_tokens_step(
+        draft.graphdef, draft.params, state.kv_caches, pending, meta,
+        ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, positions,
+        k=self.k, all_greedy=all_greedy, implementation=rt.attention_implementation,
+    )
+    tokens = np.array(tokens)[:rows]
+    num = np.zeros(rows, np.int32)
+    for i, (rid, t) in enumerate(zip(ctx.request_ids, ctx.token_ids)):
+      b = int(ctx.budgets[i])
+      num[i] = b
+      tokens[i, b:] = -1
+      # Fed: the pending tokens and drafts d_1 .. d_{k-1}.
+      state.written[rid] = len(t) + self.k - 1 if b > 0 else valid[i]
+    return state, Draft(tokens, num, probs=probs)
+
+  def observe(self, state: _State, result):
+    for rid in result.finished:
+      state.written.pop(rid, None)
+    return state

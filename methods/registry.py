@@ -1,0 +1,32 @@
+"""The only place a method is found by name."""
+
+from __future__ import annotations
+
+from methods.ar import AutoRegressive
+from methods.base import Method
+from methods.draft_model import DraftModel
+from methods.ngram import NGram
+
+__all__ = ["METHODS", "make_method"]
+
+METHODS: dict[str, type[Method]] = {
+    "ar": AutoRegressive,
+    "ngram": NGram,
+    "draft_model": DraftModel,
+}
+
+
+def make_method(name: str, num_speculative_tokens: int = 4, **options) -> Method:
+  """Builds a method config by name.
+
+  Raises:
+    ValueError: unknown name (lists the known ones) or bad option values.
+  """
+  if name not in METHODS:
+    raise ValueError(f"method {name=} is unknown; known methods: {sorted(METHODS)}")
+  cls = METHODS[name]
+  if cls is AutoRegressive:
+    return cls(**options)
+  if num_speculative_tokens < 1:
+    raise ValueError(f"{num_speculative_tokens=} must be >= 1 for method {name!r}")
+  return cls(k=num_speculative_tokens, **options)

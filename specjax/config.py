@@ -1,0 +1,98 @@
+"""Frozen configuration dataclasses shared by the library, binaries and tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["SamplingParams", "EngineConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+  """Per-request sampling and stopping (vLLM semantics).
+
+  Attributes:
+    temperature: 0 means greedy (argmax); must be >= 0.
+    top_k: keep the k most likely tokens; 0 disables. Must be >= 0.
+    top_p: nucleus mass in (0, 1]; 1 disables.
+    seed: per-request seed; outputs of a seeded request do not depend on its batch
+      partners. None derives a key from the engine seed and the request id.
+    max_tokens: maximum number of generated tokens (>= 1).
+    stop: stop strings; the request ends at the first token whose decoded output
+      contains one (the string is kept in the token list, like vLLM's token ids).
+    stop_token_ids: extra token ids that end the request (emitted, then stop).
+    ignore_eos: if True, the model's EOS ids do not end the request.
+  """
+
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int | None = None
+  max_tokens: int = 128
+  stop: tuple[str, ...] = ()
+  stop_token_ids: tuple[int, ...] = ()
+  ignore_eos: bool = False
+
+  def __post_init__(self):
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature={self.temperature} must be >= 0")
+    if self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+    if self.max_tokens < 1:
+      raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+    if isinstance(self.stop, str):
+      object.__setattr__(self, "stop", (self.stop,))
+    if any(not s for s in self.stop):
+      raise ValueError(f"stop={self.stop!r} must not contain empty strings")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  """Engine limits and buckets.
+
+  Attributes:
+    max_num_seqs: most sequences in one step (the batch size cap).
+    max_model_len: most tokens (prompt + output) per sequence.
+    page_size: KV positions per page.
+    num_pages: pages in the KV pool; None sizes it so ``max_num_seqs`` sequences of
+      ``max_model_len`` fit (no preemption). Smaller pools preempt by recompute.
+    attention_implementation: paged-attention implementation(s), recorded in results.
+    min_prefill_bucket: smallest padded prefill length (prefill T is bucketed to
+      powers of two from here).
+    seed: engine seed for requests without their own.
+  """
+
+  max_num_seqs: int = 8
+  max_model_len: int = 2048
+  page_size: int = 16
+  num_pages: int | None = None
+  attention_implementation: str | tuple[str, ...] = "reference"
+  min_prefill_bucket: int = 16
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("max_num_seqs", "max_model_len", "page_size", "min_prefill_bucket"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.num_pages is not None and self.num_pages < self.pages_per_seq:
+      raise ValueError(
+          f"num_pages={self.num_pages} must be >= pages for one max_model_len sequence "
+          f"({self.pages_per_seq})"
+      )
+
+  @property
+  def pages_per_seq(self) -> int:
+    return -(-self.max_model_len // self.page_size)
+
+  @property
+  def total_pages(self) -> int:
+    return self.num_pages if self.num_pages is not None else self.max_num_seqs * self.pages_per_seq
+
+  def replace(self, **kw) -> EngineConfig:
+    return dataclasses.replace(self, **kw)

@@ -1,0 +1,125 @@
+"""Requests, their host-side state, and the token-by-token stop rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+
+from specjax.config import SamplingParams
+
+__all__ = ["FinishReason", "Request", "RequestState", "RequestOutput"]
+
+
+class FinishReason(enum.Enum):
+  STOP = "stop"  # EOS, stop token id or stop string
+  LENGTH = "length"  # max_tokens or max_model_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """A generation request.
+
+  Attributes:
+    request_id: unique id (any hashable; str or int).
+    prompt_token_ids: the prompt (>= 1 token).
+    sampling: ``SamplingParams``.
+    arrival_time: seconds after the run starts (online mode); 0 = at once.
+  """
+
+  request_id: object
+  prompt_token_ids: tuple[int, ...]
+  sampling: SamplingParams = SamplingParams()
+  arrival_time: float = 0.0
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  """Result of one request. Times in seconds (TTFT/TPOT/latency from its arrival)."""
+
+  request_id: object
+  prompt_token_ids: list[int]
+  output_token_ids: list[int]
+  text: str | None
+  finish_reason: str
+  ttft_s: float
+  tpot_s: float
+  latency_s: float
+  queue_s: float
+  num_steps: int
+  num_draft_tokens: int
+  num_accepted_tokens: int
+  num_preemptions: int
+
+
+@dataclasses.dataclass
+class RequestState:
+  """Mutable host state of a request inside the engine."""
+
+  request: Request
+  key: np.ndarray  # u32[2]
+  tokens: list[int]  # prompt + output; the last token is pending (KV not written)
+  pages: list[int] = dataclasses.field(default_factory=list)
+  num_computed: int = 0  # KV positions written and valid
+  finish_reason: FinishReason | None = None
+  admitted_at: float | None = None
+  first_token_at: float | None = None
+  finished_at: float | None = None
+  num_steps: int = 0
+  num_draft_tokens: int = 0
+  num_accepted_tokens: int = 0
+  num_preemptions: int = 0
+  text_len_checked: int = 0
+
+  @property
+  def num_prompt(self) -> int:
+    return len(self.request.prompt_token_ids)
+
+  @property
+  def num_output(self) -> int:
+    return len(self.tokens) - self.num_prompt
+
+  @property
+  def output_ids(self) -> list[int]:
+    return self.tokens[self.num_prompt:]
+
+  def append(
+      self,
+      token: int,
+      *,
+      eos_ids: frozenset[int],
+      max_model_len: int,
+      decode: Callable[[list[int]], str] | None,
+  ) -> bool:
+    """Commits one token and applies the stop rules in AR order; True if finished.
+
+    Order matches plain decoding: the token is emitted, then EOS/stop ids, stop
+    strings, max_tokens and max_model_len are checked.
+    """
+    sp = self.request.sampling
+    self.tokens.append(int(token))
+    if (not sp.ignore_eos and token in eos_ids) or token in sp.stop_token_ids:
+      self.finish_reason = FinishReason.STOP
+    elif sp.stop and decode is not None and _has_stop_string(decode(self.output_ids), sp.stop):
+      self.finish_reason = FinishReason.STOP
+    elif self.num_output >= sp.max_tokens or len(self.tokens) >= max_model_len:
+      self.finish_reason = FinishReason.LENGTH
+    return self.finish_reason is not None
+
+
+def _has_stop_string(text: str, stops: tuple[str, ...]) -> bool:
+  return any(s in text for s in stops)
+
+
+def truncate_at_stop(text: str, stops: tuple[str, ...]) -> str:
+  """Output text up to (excluding) the first stop string, as vLLM returns it."""
+  cut = min((text.find(s) for s in stops if s in text), default=-1)
+  return text if cut < 0 else text[:cut]
+
+
+def default_key_seed(engine_seed: int, request_id: object) -> int:
+  """Deterministic seed for an unseeded request (stable across runs and batches)."""
+  return (engine_seed * 1_000_003 + zlib.crc32(repr(request_id).encode())) % (2**31)
