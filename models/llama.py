@@ -138,7 +138,8 @@ class Transformer(nnx.Module):
   def lm_logits(self, h: jax.Array) -> jax.Array:
     """Final-normed hidden ``[..., D] -> f32[..., V]``."""
     w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-    return jnp.einsum("...D,DV->...V", h.astype(jnp.float32), w.astype(jnp.float32))
+    # Matmul in the parameter dtype with f32 accumulation (no f32 copy of the head).
+    return jnp.einsum("...D,DV->...V", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
   def __call__(
       self,

@@ -1,0 +1,197 @@
+"""Step-cost benchmark: AR decode and chain-verify step times against the HBM roofline.
+
+For a model shape with random weights (the step cost does not depend on weight
+values), times the jitted target step (``specjax.steps.forward_step``) for AR decode
+(T = 1) and verification (T = L + 1) over a paged KV cache filled to a given context,
+and reports:
+  * ``ar_ms``: median AR step time; ``roofline_ms`` = (weight bytes + KV bytes read) /
+    measured device copy bandwidth; ``roofline_fraction`` = roofline_ms / ar_ms.
+  * ``c`` = verify step time / AR step time at the same batch and context (c(L)).
+Also times the HF ``transformers`` peer (static cache, greedy ``generate``) when torch
+and CUDA are present. Every ratio comes from one process run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pandas as pd
+
+from models.config import ModelConfig
+from specjax.batch import AttentionMetadata
+
+__all__ = ["StepBenchConfig", "LLAMA_8B", "run_step_benchmark", "copy_bandwidth"]
+
+LLAMA_8B = ModelConfig(
+    family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+    num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, tie_word_embeddings=False,
+    dtype="bfloat16", rms_norm_eps=1e-5,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepBenchConfig:
+  """What to time. ``contexts`` in tokens; ``verify_lengths`` are draft lengths L."""
+
+  model: ModelConfig = LLAMA_8B
+  batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
+  contexts: tuple[int, ...] = (512, 2048, 8192)
+  verify_lengths: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+  verify_context: int = 512
+  page_size: int = 16
+  attention_implementation: str = "reference"
+  reps: int = 20
+  hf_peer: bool = True
+  hf_batch_sizes: tuple[int, ...] = (1, 16)
+  seed: int = 0
+
+
+def copy_bandwidth(num_bytes: int = 4 << 30, reps: int = 10) -> float:
+  """Device copy bandwidth in bytes/s, counting bytes read and written."""
+  x = jnp.ones((num_bytes // 4,), jnp.float32)
+  copy = jax.jit(lambda a: a + 1.0)
+  copy(x).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    copy(x).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return 2 * num_bytes / float(np.median(times))
+
+
+def _param_bytes(cfg: ModelConfig, batch: int) -> int:
+  """Bytes of weights one step reads (embedding rows are gathered, not streamed)."""
+  d, f, n, k, h, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.head_dim, cfg.vocab_size)
+  per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f + 2 * d
+  itemsize = 2 if cfg.dtype == "bfloat16" else 4
+  return itemsize * (cfg.num_layers * per_layer + d * v + d + batch * d)
+
+
+def _kv_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
+  itemsize = 2 if cfg.dtype == "bfloat16" else 4
+  return itemsize * batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+
+
+class _Runner:
+  """Holds the random model and a paged cache large enough for the biggest case."""
+
+  def __init__(self, cfg: StepBenchConfig):
+    from flax import nnx
+
+    from models.llama import Transformer, init_kv_caches
+    from specjax.steps import split_model
+
+    self.cfg = cfg
+    m = cfg.model
+    self.model = split_model(Transformer(m, nnx.Rngs(cfg.seed)))
+    max_tokens = max(max(cfg.contexts), cfg.verify_context) + max(cfg.verify_lengths, default=0) + 1
+    self.pages_per_seq = -(-max_tokens // cfg.page_size)
+    self.num_pages = max(cfg.batch_sizes) * self.pages_per_seq
+    self.kv = init_kv_caches(m, self.num_pages, cfg.page_size)
+    rng = np.random.default_rng(cfg.seed)
+    self.perm = rng.permutation(self.num_pages).astype(np.int32)
+
+  def time_step(self, batch: int, context: int, num_query: int) -> float:
+    """Median seconds of one step with ``num_query`` tokens per row at ``context``."""
+    from specjax.steps import forward_step
+
+    cfg = self.cfg
+    total = context + num_query
+    width = -(-total // cfg.page_size)
+    table = self.perm[: batch * self.pages_per_seq].reshape(batch, self.pages_per_seq)[:, :width]
+    meta = AttentionMetadata(
+        jnp.asarray(table), jnp.full((batch,), total, jnp.int32),
+        jnp.full((batch,), num_query, jnp.int32),
+    )
+    tokens = jnp.ones((batch, num_query), jnp.int32)
+    idx = jnp.broadcast_to(jnp.arange(num_query, dtype=jnp.int32), (batch, num_query))
+    m = self.model
+    times = []
+    for i in range(cfg.reps + 2):
+      t = time.perf_counter()
+      self.kv, logits, _ = forward_step(m.graphdef, m.params, self.kv, tokens, meta, idx,
+                                        implementation=cfg.attention_implementation)
+      logits.block_until_ready()
+      if i >= 2:
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def _hf_step_seconds(cfg: ModelConfig, batch: int, context: int) -> float:
+  """Per-token time of HF transformers greedy generate with a static cache (CUDA)."""
+  import torch
+  import transformers
+
+  hf_cfg = transformers.LlamaConfig(
+      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim, tie_word_embeddings=False, max_position_embeddings=16384,
+  )
+  with torch.device("cuda"):
+    model = transformers.LlamaForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+  ids = torch.randint(0, cfg.vocab_size, (batch, context), device="cuda")
+
+  def gen(n):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with torch.no_grad():
+      model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                     cache_implementation="static", pad_token_id=0)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+  gen(4)
+  short, long = gen(8), gen(40)
+  del model
+  torch.cuda.empty_cache()
+  return (long - short) / 32
+
+
+def run_step_benchmark(cfg: StepBenchConfig, log=print) -> pd.DataFrame:
+  """Runs the grid; returns one row per (kind, batch, context, L)."""
+  bw = copy_bandwidth()
+  log(f"copy bandwidth: {bw / 1e12:.2f} TB/s")
+  runner = _Runner(cfg)
+  m = cfg.model
+  device = jax.devices()[0].device_kind
+  base = dict(device=device, backend=jax.default_backend(), jax_version=jax.__version__,
+              attention_implementation=cfg.attention_implementation, dtype=m.dtype,
+              copy_bw_tb_s=bw / 1e12)
+  rows = []
+  ar = {}
+  for batch in cfg.batch_sizes:
+    for context in sorted(set(cfg.contexts) | {cfg.verify_context}):
+      t = runner.time_step(batch, context, 1)
+      ar[batch, context] = t
+      floor = (_param_bytes(m, batch) + _kv_bytes(m, batch, context)) / bw
+      rows.append(dict(base, kind="ar", batch=batch, context=context, L=0, step_ms=1e3 * t,
+                       roofline_ms=1e3 * floor, roofline_fraction=floor / t, c=1.0))
+      log(f"ar  B={batch:3d} ctx={context:5d}: {1e3 * t:8.3f} ms  roofline {1e3 * floor:.3f} ms"
+          f"  ({100 * floor / t:.1f} %)")
+    for length in cfg.verify_lengths:
+      t = runner.time_step(batch, cfg.verify_context, length + 1)
+      c = t / ar[batch, cfg.verify_context]
+      rows.append(dict(base, kind="verify", batch=batch, context=cfg.verify_context, L=length,
+                       step_ms=1e3 * t, c=c))
+      log(f"verify B={batch:3d} L={length}: {1e3 * t:8.3f} ms  c={c:.3f}")
+  del runner
+  if cfg.hf_peer:
+    for batch in cfg.hf_batch_sizes:
+      try:
+        t = _hf_step_seconds(m, batch, cfg.verify_context)
+      except (ImportError, RuntimeError, AssertionError) as e:
+        log(f"hf peer unavailable at batch {batch}: {e!r}")
+        continue
+      ours = ar.get((batch, cfg.verify_context))
+      rows.append(dict(base, kind="hf_transformers_static", batch=batch,
+                       context=cfg.verify_context, L=0, step_ms=1e3 * t,
+                       speedup_vs_hf=(t / ours) if ours else float("nan")))
+      log(f"hf  B={batch:3d} ctx={cfg.verify_context}: {1e3 * t:8.3f} ms/step"
+          + (f"  specjax is {t / ours:.2f}x faster" if ours else ""))
+  return pd.DataFrame(rows)

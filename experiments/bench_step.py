@@ -1,0 +1,71 @@
+"""Times AR decode / verify steps against the HBM roofline and the HF transformers peer.
+
+Example (on the GPU machine):
+  python -m experiments.bench_step --output_dir=$OUT --batch_sizes=1,4,16,64
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags
+
+from benchmarks.step_cost import LLAMA_8B, StepBenchConfig, run_step_benchmark
+from models.config import ModelConfig
+
+SHAPES = {
+    "llama3-8b": LLAMA_8B,
+    "tiny": ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
+}
+_SHAPE = flags.DEFINE_enum("shape", "llama3-8b", list(SHAPES), "Model shape (random weights).")
+
+FLAGS = flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64"], "Batch sizes.")
+_CTX = flags.DEFINE_list("contexts", ["512", "2048", "8192"], "AR contexts (tokens).")
+_L = flags.DEFINE_list("verify_lengths", [str(i) for i in range(1, 9)], "Draft lengths L.")
+_VCTX = flags.DEFINE_integer("verify_context", 512, "Context of the verify sweep.")
+_IMPL = flags.DEFINE_string("attention_implementation", "reference", "Paged attention impl.")
+_REPS = flags.DEFINE_integer("reps", 20, "Timed repetitions per point.")
+_HF = flags.DEFINE_boolean("hf_peer", True, "Also time HF transformers (needs torch+CUDA).")
+_HFB = flags.DEFINE_list("hf_batch_sizes", ["1", "16"], "HF peer batch sizes.")
+_OUT = flags.DEFINE_string("output_dir", "results/bench_step", "Where to write CSV and plot.")
+
+
+def main(argv):
+  del argv
+  cfg = StepBenchConfig(
+      model=SHAPES[_SHAPE.value],
+      batch_sizes=tuple(int(b) for b in FLAGS.value), contexts=tuple(int(c) for c in _CTX.value),
+      verify_lengths=tuple(int(v) for v in _L.value), verify_context=_VCTX.value,
+      attention_implementation=_IMPL.value, reps=_REPS.value, hf_peer=_HF.value,
+      hf_batch_sizes=tuple(int(b) for b in _HFB.value),
+  )
+  df = run_step_benchmark(cfg)
+  os.makedirs(_OUT.value, exist_ok=True)
+  df.to_csv(os.path.join(_OUT.value, "bench_step.csv"), index=False)
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ver = df[df.kind == "verify"]
+    for batch, g in ver.groupby("batch"):
+      axes[0].plot(g.L, g.c, marker="o", label=f"B={batch}")
+    axes[0].set(xlabel="draft length L", ylabel="c = verify / AR step time", title="c(L)")
+    axes[0].legend()
+    ar = df[df.kind == "ar"]
+    for ctx, g in ar.groupby("context"):
+      axes[1].plot(g.batch, g.roofline_fraction, marker="o", label=f"ctx={ctx}")
+    axes[1].set(xscale="log", xlabel="batch", ylabel="roofline fraction", title="AR step")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(_OUT.value, "bench_step.png"), dpi=120)
+  except ImportError as e:
+    print(f"plot skipped: {e}")
+  print(df.to_string(index=False))
+
+
+if __name__ == "__main__":
+  app.run(main)
