@@ -27,12 +27,27 @@ __all__ = [
     "write_kv",
 ]
 
-IMPLEMENTATIONS = ("reference",)
+# Backend name -> what it lowers to:
+#   "reference"      pure jnp (XLA), any platform
+#   "pallas_gpu"     Mosaic GPU (jax.experimental.pallas.mosaic_gpu; Hopper wgmma + TMA), bf16/f16
+#   "pallas_triton"  Pallas' Triton backend (plain pl.pallas_call + triton CompilerParams)
+#   "pallas_tpu"     Mosaic TPU (jax.experimental.pallas.tpu)
+IMPLEMENTATIONS = ("reference", "pallas_gpu", "pallas_triton", "pallas_tpu")
 
 
 def _backend(name: str):
+  # Kernel modules are imported on first use so that importing this package stays cheap.
   if name == "reference":
     return paged_attention_reference
+  if name == "pallas_gpu":
+    from pallas_kernels.paged_attention.gpu import paged_attention_mosaic_gpu
+    return paged_attention_mosaic_gpu
+  if name == "pallas_triton":
+    from pallas_kernels.paged_attention.triton import paged_attention_triton
+    return paged_attention_triton
+  if name == "pallas_tpu":
+    from pallas_kernels.paged_attention.tpu import paged_attention_tpu
+    return paged_attention_tpu
   raise ValueError(f"{name=} is not a paged-attention implementation; allowed: {IMPLEMENTATIONS}")
 
 

@@ -53,7 +53,7 @@ def default_block_sizes(backend: str, page_size: int) -> BlockSizes:
   """
   if page_size < 1:
     raise ValueError(f"{page_size=} must be >= 1")
-  target = {"pallas_gpu": 128, "pallas_triton": 64, "pallas_tpu": 128}.get(backend)
+  target = {"pallas_gpu": 64, "pallas_triton": 64, "pallas_tpu": 128}.get(backend)
   if target is None:
     raise ValueError(f"{backend=} must be pallas_gpu, pallas_triton or pallas_tpu")
   pages = 1
