@@ -1,0 +1,318 @@
+"""Paged attention as a **Mosaic GPU** kernel (``jax.experimental.pallas.mosaic_gpu``), Hopper.
+
+Implementation name ``"pallas_gpu"``. Decode (``T = 1``), chain verify (``T = L + 1``)
+and tree verify, GQA, optional sliding window; bf16 / f16 only (its matmuls run on the
+tensor cores through ``wgmma``; f32 would silently become tf32, so f32 raises
+``NotImplementedError`` and the dispatcher falls through).
+
+One CTA (a single warpgroup, ``plgpu.kernel`` grid ``(B, K)``) owns the ``rows`` (64 or
+128) query rows of one sequence and KV head: row ``r = t * G + g`` (see
+``common.to_row_tiles``). The KV is walked in blocks of ``pages_per_block`` pages.
+Each page's key slab ``kv_pages[page, :, 2k, :]`` and value slab
+``kv_pages[page, :, 2k + 1, :]`` (strided in HBM) is one TMA copy into a swizzled shared
+memory tile, ``num_stages`` blocks in flight, one barrier per page copy. Per block:
+``S = Q K^T`` (wgmma, f32 accumulator), mask, online softmax in registers, ``O += P V``
+(wgmma, P from registers).
+
+Dynamic precondition (the engine's page tables satisfy it): every page holding a
+position ``< kv_lens[b]`` is mapped (``>= 0``). Unmapped pages past that are read as page
+0 and masked; slots at or past ``kv_lens[b]`` are zeroed in shared memory before the
+``P V`` product, so stale NaNs there never leak. The reference also masks -1 pages *inside*
+the context; this kernel does not.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.paged_attention import common
+from pallas_kernels.paged_attention.tuning import BlockSizes, default_block_sizes
+
+try:  # Mosaic GPU's Python side; keep the package importable without it.
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - depends on the jaxlib build
+  plgpu = None
+
+__all__ = ["paged_attention_mosaic_gpu", "smem_bytes"]
+
+_SMEM_LIMIT = 227 * 1024  # H100/H200 opt-in shared memory per block
+_LOG2E = math.log2(math.e)
+
+
+def _interpret_params():
+  """``InterpretGPUParams`` (public in JAX 0.11, private module in 0.10)."""
+  params = getattr(plgpu, "InterpretGPUParams", None)
+  if params is None:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+  return params()
+
+
+def smem_bytes(rows: int, head_dim: int, block_kv: int, num_stages: int, itemsize: int) -> int:
+  """Shared memory of one CTA: the Q/O tile plus ``num_stages`` K and V blocks."""
+  return (rows + 2 * num_stages * block_kv) * head_dim * itemsize
+
+
+def _kernel(
+    kv_lens_ref, q_lens_ref, pages_ref, q_ref, kv_ref, *rest,
+    group: int, num_tokens: int, page_size: int, pages_per_block: int, num_stages: int,
+    sm_scale: float, sliding_window: int | None, has_tree: bool, interpret: bool,
+):
+  if has_tree:
+    bits_ref, o_ref, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars = rest
+  else:
+    o_ref, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars = rest
+    bits_ref = None
+  rows, head_dim = q_smem.shape
+  block_kv = pages_per_block * page_size
+  dtype = q_smem.dtype
+  b = lax.axis_index("b")
+  kh = lax.axis_index("k")
+  kv_len = kv_lens_ref[b]
+  q_len = q_lens_ref[b]
+  start = kv_len - q_len  # position of the step's first query token
+
+  # Blocks [first, first + num_blocks) intersect some query's visible range.
+  lo = jnp.int32(0) if sliding_window is None else jnp.maximum(start - sliding_window + 1, 0)
+  first = lax.div(lo, jnp.int32(block_kv))
+  last = jnp.where(q_len > 0, lax.div(kv_len + (block_kv - 1), jnp.int32(block_kv)), first)
+  num_blocks = jnp.maximum(last - first, 0)
+
+  def issue(block, slot):
+    # Worked example: pages_per_block 4, block 3 covers logical pages 12..15.
+    for j in range(pages_per_block):
+      page = jnp.maximum(pages_ref[b, block * pages_per_block + j], 0)
+      rows_j = pl.ds(j * page_size, page_size)
+      plgpu.copy_gmem_to_smem(
+          kv_ref.at[page, :, 2 * kh, :], k_smem.at[slot, rows_j],
+          k_bars.at[slot * pages_per_block + j],
+      )
+      plgpu.copy_gmem_to_smem(
+          kv_ref.at[page, :, 2 * kh + 1, :], v_smem.at[slot, rows_j],
+          v_bars.at[slot * pages_per_block + j],
+      )
+
+  plgpu.copy_gmem_to_smem(q_ref.at[b, kh], q_smem, q_bar.at[0])
+  for s in range(num_stages - 1):
+    @pl.when(s < num_blocks)
+    def _prologue():
+      issue(first + s, s)
+
+  # Register layouts are annotations for the Mosaic GPU compiler; its CPU interpreter
+  # has no rules for them, so they are skipped there (values are identical).
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+  def iota(shape, dim):
+    if interpret:
+      return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+
+  def with_layout(x, layout):
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+  row = iota((rows, block_kv), 0)
+  col = iota((rows, block_kv), 1)
+  token = lax.div(row, jnp.int32(group))
+  row_ok = token < q_len
+  q_pos = token + start
+  if has_tree:
+    # Row r's bit word is bits[b, r // G]; built once by a select chain over T scalars.
+    bits = jnp.zeros_like(row)
+    for t in range(num_tokens):
+      bits = jnp.where(token == t, bits_ref[b, t], bits)
+  v_row = iota((block_kv, head_dim), 0)
+
+  plgpu.barrier_wait(q_bar.at[0])
+
+  def body(i, carry):
+    acc, m_i, l_i = carry
+    slot = lax.rem(i, jnp.int32(num_stages))
+    block = first + i
+
+    @pl.when(i + (num_stages - 1) < num_blocks)
+    def _prefetch():
+      nxt = i + (num_stages - 1)
+      issue(first + nxt, lax.rem(nxt, jnp.int32(num_stages)))
+
+    for j in range(pages_per_block):
+      plgpu.barrier_wait(k_bars.at[slot * pages_per_block + j])
+
+    if interpret:  # JAX 0.10's interpreter has no transposed-B / register-A wgmma
+      s = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+    else:
+      def compute_qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+
+      s = pl.run_scoped(compute_qk, plgpu.ACC((rows, block_kv), jnp.float32))
+    key = col + block * block_kv
+    mask = row_ok & (key <= q_pos)
+    if sliding_window is not None:
+      mask &= key > q_pos - sliding_window
+    if has_tree:
+      rel = key - start  # index of the key among the step's tokens
+      bit = lax.shift_right_logical(bits, jnp.clip(rel, 0, common.MAX_TREE_TOKENS - 1)) & 1
+      mask &= (rel < 0) | (bit != 0)
+    s = jnp.where(mask, s * (sm_scale * _LOG2E), -jnp.inf)  # base-2 logits
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
+    alpha = jnp.exp2(m_i - m_safe)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+    for j in range(pages_per_block):
+      plgpu.barrier_wait(v_bars.at[slot * pages_per_block + j])
+
+    @pl.when(block * block_kv + block_kv > kv_len)
+    def _zero_stale_values():
+      # Slots at or past kv_len (stale, maybe NaN) must not meet P = 0 in the product.
+      v_tile = v_smem.at[slot]
+      v = v_tile[...]  # tiled + swizzled smem loads in the WGMMA layout
+      v_tile[...] = jnp.where(v_row + block * block_kv < kv_len, v, jnp.zeros_like(v))
+      plgpu.commit_smem()
+
+    if interpret:
+      pv = jnp.dot(p.astype(dtype), v_smem.at[slot][...], preferred_element_type=jnp.float32)
+    else:
+      def compute_pv(acc_ref):
+        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+        return acc_ref[...]
+
+      pv = pl.run_scoped(compute_pv, plgpu.ACC((rows, head_dim), jnp.float32))
+    return acc + pv, m_new, l_i
+
+  acc = with_layout(jnp.zeros((rows, head_dim), jnp.float32), wgmma_layout)
+  m_i = with_layout(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
+  l_i = with_layout(jnp.zeros((rows,), jnp.float32), row_layout)
+  acc, _, l_i = lax.fori_loop(0, num_blocks, body, (acc, m_i, l_i))
+  l_i = jnp.where(l_i > 0, l_i, 1.0)
+  acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+  q_smem[...] = acc.astype(dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, kh])
+  plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret")
+)
+def _call(q, kv_pages, page_indices, kv_lens, q_lens, tree_mask, *, sm_scale, sliding_window,
+          block_sizes: BlockSizes, interpret: bool):
+  batch, num_tokens, num_heads, head_dim = q.shape
+  _, page_size, two_k, _ = kv_pages.shape
+  num_kv_heads = two_k // 2
+  group = num_heads // num_kv_heads
+  rows = 64 if num_tokens * group <= 64 else 128
+  ppb = block_sizes.pages_per_block
+  block_kv = ppb * page_size
+  stages = block_sizes.num_stages
+  pages_per_seq = page_indices.shape[1]
+  padded_pages = -(-pages_per_seq // ppb) * ppb
+  page_indices = jnp.pad(
+      page_indices.astype(jnp.int32), ((0, 0), (0, padded_pages - pages_per_seq)),
+      constant_values=-1,
+  )
+  operands = [kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32), page_indices,
+              common.to_row_tiles(q, num_kv_heads, rows), kv_pages]
+  has_tree = tree_mask is not None
+  if has_tree:
+    operands.append(common.tree_bits(tree_mask))
+  swizzle = 128
+  transforms = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)),
+                plgpu.SwizzleTransform(swizzle))
+  kernel = functools.partial(
+      _kernel, group=group, num_tokens=num_tokens, page_size=page_size, pages_per_block=ppb,
+      num_stages=stages, sm_scale=sm_scale, sliding_window=sliding_window, has_tree=has_tree,
+      interpret=interpret,
+  )
+  out = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), q.dtype),
+      scratch_types=[
+          plgpu.SMEM((rows, head_dim), q.dtype, transforms=transforms),
+          plgpu.SMEM((stages, block_kv, head_dim), q.dtype, transforms=transforms),
+          plgpu.SMEM((stages, block_kv, head_dim), q.dtype, transforms=transforms),
+          plgpu.Barrier(num_barriers=1),
+          plgpu.Barrier(num_barriers=stages * ppb),
+          plgpu.Barrier(num_barriers=stages * ppb),
+      ],
+      grid=(batch, num_kv_heads),
+      grid_names=("b", "k"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_interpret_params() if interpret else None,
+      kernel_name=f"paged_attention_mosaic_gpu_r{rows}_bkv{block_kv}_s{stages}",
+  )(*operands)
+  return common.from_row_tiles(out, num_tokens, num_heads)
+
+
+def paged_attention_mosaic_gpu(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    page_indices: jax.Array,
+    kv_lens: jax.Array,
+    q_lens: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    tree_mask: jax.Array | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+  """Mosaic GPU paged attention; same contract as ``paged_attention_reference``.
+
+  ``interpret=True`` runs Mosaic GPU's interpreter on CPU (slow; small shapes).
+
+  Raises:
+    ValueError: malformed inputs.
+    NotImplementedError: not a Hopper-or-newer GPU (and not ``interpret``); dtype not
+      bf16/f16; head_dim not a multiple of 64; page_size not a multiple of 8; block not
+      a multiple of 64 keys; more than 128 query rows (T * G) per KV head; tree mask
+      with T > 31; shared memory over budget.
+  """
+  common.check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tree_mask)
+  if plgpu is None:
+    raise NotImplementedError("jax.experimental.pallas.mosaic_gpu is not importable")
+  if not interpret:
+    if jax.default_backend() != "gpu":
+      raise NotImplementedError(f"pallas_gpu needs a GPU; backend={jax.default_backend()}")
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    if float(capability) < 9.0:
+      raise NotImplementedError(f"pallas_gpu needs sm_90+ (wgmma, TMA); got {capability=}")
+  _, num_tokens, num_heads, head_dim = q.shape
+  page_size = kv_pages.shape[1]
+  group = num_heads // (kv_pages.shape[2] // 2)
+  if q.dtype not in (jnp.bfloat16, jnp.float16) or kv_pages.dtype != q.dtype:
+    raise NotImplementedError(f"pallas_gpu runs bf16/f16 only; got {q.dtype=}, {kv_pages.dtype=}")
+  if head_dim % 64:
+    raise NotImplementedError(f"pallas_gpu needs head_dim % 64 == 0; got {head_dim}")
+  if page_size % 8:
+    raise NotImplementedError(f"pallas_gpu needs page_size % 8 == 0; got {page_size}")
+  if num_tokens * group > 128:
+    raise NotImplementedError(f"pallas_gpu handles <= 128 query rows; got T*G={num_tokens * group}")
+  if tree_mask is not None and num_tokens > common.MAX_TREE_TOKENS:
+    raise NotImplementedError(f"tree masks need T <= {common.MAX_TREE_TOKENS}; got {num_tokens}")
+  if block_sizes is None:
+    block_sizes = default_block_sizes("pallas_gpu", page_size)
+  block_kv = block_sizes.block_kv(page_size)
+  if block_kv % 64 or block_kv > 256:
+    raise NotImplementedError(f"pallas_gpu needs 64..256 keys per block (multiple of 64); {block_kv=}")
+  if block_sizes.num_stages < 2:
+    raise NotImplementedError(f"pallas_gpu needs num_stages >= 2; {block_sizes=}")
+  rows = 64 if num_tokens * group <= 64 else 128
+  need = smem_bytes(rows, head_dim, block_kv, block_sizes.num_stages, q.dtype.itemsize)
+  if need > _SMEM_LIMIT:
+    raise NotImplementedError(f"pallas_gpu needs {need} B of shared memory > {_SMEM_LIMIT}")
+  return _call(
+      q, kv_pages, page_indices, kv_lens, q_lens, tree_mask,
+      sm_scale=float(sm_scale),
+      sliding_window=None if sliding_window is None else int(sliding_window),
+      block_sizes=block_sizes, interpret=bool(interpret),
+  )

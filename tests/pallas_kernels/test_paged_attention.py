@@ -1,0 +1,314 @@
+"""One paged-attention suite run against every backend.
+
+``PagedAttentionSuite`` holds the cases; each ``Test*`` subclass binds a backend. The
+``*Interpret`` subclasses run the Pallas kernels in interpret mode on CPU, so CPU CI
+covers every kernel; the ``@pytest.mark.gpu`` subclasses run them natively (device
+machine: ``python3 -m pytest -m gpu tests/pallas_kernels``).
+
+Inputs: permuted page tables, unused pages and stale slots past ``kv_lens`` filled with
+NaN, padding query tokens NaN, kv lengths around page boundaries. Comparisons are on
+real query rows (``t < q_lens``); kernels must write zeros on padding rows.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import (
+    IMPLEMENTATIONS,
+    _backend,
+    paged_attention,
+    paged_attention_reference,
+)
+from pallas_kernels.paged_attention.tuning import BlockSizes, default_block_sizes
+
+PAGE = 16
+HEAD_DIM = 64
+_reference = jax.jit(paged_attention_reference, static_argnames=("sm_scale", "sliding_window"))
+
+
+def make_inputs(seed, *, kv_lens, q_lens, num_tokens, num_heads, num_kv_heads,
+                head_dim=HEAD_DIM, page_size=PAGE, pages_per_seq=8, dtype=jnp.float32,
+                tree=False):
+  """Random paged inputs; unused pages, stale slots and padding queries are NaN."""
+  rng = np.random.default_rng(seed)
+  batch = len(kv_lens)
+  used = [-(-n // page_size) for n in kv_lens]
+  assert max(used) <= pages_per_seq
+  num_pages = sum(used) + 3
+  kv = np.full((num_pages, page_size, 2 * num_kv_heads, head_dim), np.nan, np.float32)
+  perm = rng.permutation(num_pages)
+  page_indices = np.full((batch, pages_per_seq), -1, np.int32)
+  cursor = 0
+  for b, n in enumerate(kv_lens):
+    for j in range(used[b]):
+      page = perm[cursor]
+      cursor += 1
+      page_indices[b, j] = page
+      slots = min(page_size, n - j * page_size)
+      kv[page, :slots] = rng.standard_normal((slots, 2 * num_kv_heads, head_dim))
+  q = rng.standard_normal((batch, num_tokens, num_heads, head_dim)).astype(np.float32)
+  for b, n in enumerate(q_lens):
+    q[b, n:] = np.nan
+  tree_mask = None
+  if tree:
+    tree_mask = np.zeros((batch, num_tokens, num_tokens), bool)
+    for b in range(batch):
+      parent = [-1] + [int(rng.integers(-1, i)) for i in range(1, num_tokens)]
+      for i in range(num_tokens):
+        j = i
+        while j >= 0:  # i sees itself and its ancestors
+          tree_mask[b, i, j] = True
+          j = parent[j]
+    tree_mask = jnp.asarray(tree_mask)
+  return dict(
+      q=jnp.asarray(q, dtype), kv_pages=jnp.asarray(kv, dtype),
+      page_indices=jnp.asarray(page_indices), kv_lens=jnp.asarray(kv_lens, jnp.int32),
+      q_lens=jnp.asarray(q_lens, jnp.int32), tree_mask=tree_mask,
+  )
+
+
+class PagedAttentionSuite:
+  """The cases; subclasses set the backend. Not collected itself (no ``Test`` prefix)."""
+
+  implementation = "reference"
+  interpret = False
+  dtype = jnp.float32
+  atol = 1e-4
+  block_sizes: BlockSizes | None = None
+  zero_padding_rows = True
+
+  def attention(self, inputs, *, sliding_window=None, sm_scale=0.125):
+    kwargs = dict(inputs)
+    fn = _reference if self.implementation == "reference" else _backend(self.implementation)
+    if self.implementation != "reference":
+      kwargs.update(interpret=self.interpret, block_sizes=self.block_sizes)
+    return fn(**kwargs, sm_scale=sm_scale, sliding_window=sliding_window)
+
+  def check(self, inputs, *, sliding_window=None):
+    out = self.attention(inputs, sliding_window=sliding_window)
+    ref = _reference(**inputs, sm_scale=0.125, sliding_window=sliding_window)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    q_lens = np.asarray(inputs["q_lens"])
+    real = np.arange(out.shape[1])[None, :] < q_lens[:, None]  # [B, T]
+    assert out.shape == ref.shape and out.dtype == np.float32
+    np.testing.assert_allclose(out[real], ref[real], atol=self.atol, rtol=0)
+    assert not np.isnan(out[real]).any()
+    if self.zero_padding_rows:
+      np.testing.assert_array_equal(out[~real], 0.0)  # padding query rows are zeros
+    return out
+
+  @pytest.mark.parametrize("group", [1, 8])
+  def test_decode_page_boundaries(self, group):
+    num_kv_heads = 2 if group == 1 else 1
+    inputs = make_inputs(
+        0, kv_lens=[1, PAGE - 1, PAGE, PAGE + 1, 5 * PAGE + 3], q_lens=[1] * 5, num_tokens=1,
+        num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads, dtype=self.dtype,
+    )
+    self.check(inputs)
+
+  def test_verify_mixed_batch_with_padding_rows(self):
+    # Chain verify (q_len = L + 1 = 4 at the KV tail), decode, an idle row, a partial
+    # verify and a prefill chunk straddling a page boundary, GQA 2.
+    inputs = make_inputs(
+        1, kv_lens=[20, 33, 7, 4, PAGE + 2], q_lens=[4, 1, 0, 3, 4], num_tokens=4,
+        num_heads=4, num_kv_heads=2, dtype=self.dtype,
+    )
+    self.check(inputs)
+
+  def test_tree_mask(self):
+    inputs = make_inputs(
+        2, kv_lens=[20, 5 * PAGE, 4], q_lens=[4, 4, 3], num_tokens=4, num_heads=4,
+        num_kv_heads=2, dtype=self.dtype, tree=True,
+    )
+    self.check(inputs)
+
+  def test_sliding_window(self):
+    inputs = make_inputs(
+        3, kv_lens=[5 * PAGE + 3, 40, 3], q_lens=[2, 1, 2], num_tokens=2, num_heads=4,
+        num_kv_heads=2, dtype=self.dtype,
+    )
+    self.check(inputs, sliding_window=PAGE + 5)
+
+  def test_two_runs_bitwise_equal(self):
+    inputs = make_inputs(
+        1, kv_lens=[20, 33, 7, 4, PAGE + 2], q_lens=[4, 1, 0, 3, 4], num_tokens=4,
+        num_heads=4, num_kv_heads=2, dtype=self.dtype,
+    )
+    first = np.asarray(self.attention(inputs))
+    second = np.asarray(self.attention(inputs))
+    np.testing.assert_array_equal(first, second)
+
+
+# ---------------------------------------------------------------- CPU (CI) backends
+class TestReference(PagedAttentionSuite):
+  # reference.py's docstring promises zero padding rows, but its mask has no
+  # ``t < q_lens`` term: padding tokens attend like real ones (NaN here, as their q is).
+  zero_padding_rows = False
+
+
+class TestTritonInterpret(PagedAttentionSuite):
+  implementation = "pallas_triton"
+  interpret = True
+  block_sizes = BlockSizes(pages_per_block=2)
+
+
+class TestMosaicGpuInterpret(PagedAttentionSuite):
+  """Mosaic GPU's CPU interpreter (TMA copies, barriers, pipelining, masks, zeroing).
+
+  JAX 0.10's interpreter has no transposed-B or register-A ``wgmma``, so in interpret
+  mode the kernel's two matmuls are ``dot_general`` on the same shared-memory tiles;
+  the ``wgmma`` path itself is checked by lowering (below) and natively (gpu marker).
+  The kernel is bf16/f16 only, hence the bf16 tolerance.
+  """
+
+  implementation = "pallas_gpu"
+  interpret = True
+  dtype = jnp.bfloat16
+  atol = 2e-2
+  block_sizes = BlockSizes(pages_per_block=4, num_stages=2)
+
+
+class TestTpuInterpret(PagedAttentionSuite):
+  implementation = "pallas_tpu"
+  interpret = True
+  block_sizes = BlockSizes(pages_per_block=2)
+
+  def test_bf16_packed_kv_split(self):
+    self.dtype, self.atol = jnp.bfloat16, 2e-2
+    inputs = make_inputs(
+        4, kv_lens=[PAGE + 1, 3], q_lens=[2, 1], num_tokens=2, num_heads=4, num_kv_heads=2,
+        dtype=jnp.bfloat16,
+    )
+    self.check(inputs)
+
+
+# ---------------------------------------------------------------- GPU-native backends
+@pytest.mark.gpu
+class TestTritonGpu(PagedAttentionSuite):
+  implementation = "pallas_triton"  # f32 dots run IEEE (Precision.HIGHEST), not tf32
+
+
+@pytest.mark.gpu
+class TestTritonGpuBf16(PagedAttentionSuite):
+  implementation = "pallas_triton"
+  dtype = jnp.bfloat16
+  atol = 2e-2
+
+
+@pytest.mark.gpu
+class TestMosaicGpu(PagedAttentionSuite):
+  implementation = "pallas_gpu"
+  dtype = jnp.bfloat16
+  atol = 2e-2
+  block_sizes = BlockSizes(pages_per_block=4, num_stages=2)
+
+
+@pytest.mark.gpu
+class TestMosaicGpuDefaultBlocks(PagedAttentionSuite):
+  implementation = "pallas_gpu"
+  dtype = jnp.float16
+  atol = 5e-3
+
+
+# ---------------------------------------------------------------- lowering checks
+def _abstract_specs(dtype, num_tokens, tree, batch=2, num_heads=8, num_kv_heads=2,
+                    head_dim=128, page_size=PAGE, pages_per_seq=8, num_pages=40):
+  return [
+      jax.ShapeDtypeStruct((batch, num_tokens, num_heads, head_dim), dtype),
+      jax.ShapeDtypeStruct((num_pages, page_size, 2 * num_kv_heads, head_dim), dtype),
+      jax.ShapeDtypeStruct((batch, pages_per_seq), jnp.int32),
+      jax.ShapeDtypeStruct((batch,), jnp.int32),
+      jax.ShapeDtypeStruct((batch,), jnp.int32),
+      jax.ShapeDtypeStruct((batch, num_tokens, num_tokens), jnp.bool_) if tree else None,
+  ]
+
+
+def _custom_calls(text):
+  return set(re.findall(r"custom_call @([\w$.]+)", text))
+
+
+@pytest.mark.parametrize("dtype,num_tokens,tree", [
+    (jnp.float32, 1, False), (jnp.bfloat16, 4, True),
+])
+def test_tpu_kernel_lowers_to_mosaic(dtype, num_tokens, tree):
+  """``jax.export(platforms=["tpu"])`` on CPU under an abstract TPU mesh.
+
+  Checks Pallas -> Mosaic lowering, not Mosaic's own compile (that needs a TPU).
+  """
+  from jax._src import mesh as mesh_lib
+
+  from pallas_kernels.paged_attention import tpu
+
+  block_sizes = default_block_sizes("pallas_tpu", PAGE)
+  fn = lambda *a: tpu._call(*a, sm_scale=0.1, sliding_window=64, block_sizes=block_sizes,
+                            interpret=False)
+  device = mesh_lib.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+  mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(
+        *_abstract_specs(dtype, num_tokens, tree))
+  assert "tpu_custom_call" in _custom_calls(exported.mlir_module())
+
+
+@pytest.mark.parametrize("module,custom_call", [
+    ("gpu", "mosaic_gpu_v2"), ("triton", "__gpu$xla.gpu.triton"),
+])
+@pytest.mark.parametrize("num_tokens,tree", [(1, False), (16, True)])
+def test_gpu_kernels_lower_for_cuda_on_cpu(module, custom_call, num_tokens, tree):
+  """Lowers for CUDA on a CPU host: proves which backend each kernel goes through."""
+  import importlib
+
+  mod = importlib.import_module(f"pallas_kernels.paged_attention.{module}")
+  backend = {"gpu": "pallas_gpu", "triton": "pallas_triton"}[module]
+  block_sizes = default_block_sizes(backend, PAGE)
+  fn = lambda *a: mod._call(*a, sm_scale=0.1, sliding_window=None, block_sizes=block_sizes,
+                            interpret=False)
+  specs = _abstract_specs(jnp.bfloat16, num_tokens, tree, num_heads=32, num_kv_heads=8)
+  text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+  assert custom_call in _custom_calls(text)
+
+
+# ---------------------------------------------------------------- dispatch and config
+def test_dispatcher_falls_through_on_not_implemented():
+  inputs = make_inputs(5, kv_lens=[5, 20], q_lens=[1, 1], num_tokens=1, num_heads=2,
+                       num_kv_heads=1)
+  ref = _reference(**inputs, sm_scale=0.125)
+  # f32 is outside pallas_gpu's dtypes on any host; on CPU the Triton/TPU kernels
+  # also decline (no interpret through the dispatcher), so "reference" answers.
+  dispatch = jax.jit(lambda x: paged_attention(
+      **x, sm_scale=0.125, implementation=("pallas_gpu", "pallas_tpu", "reference")))
+  np.testing.assert_array_equal(np.asarray(dispatch(inputs)), np.asarray(ref))
+  with pytest.raises(NotImplementedError):
+    paged_attention(**inputs, sm_scale=0.125, implementation="pallas_gpu")
+  with pytest.raises(ValueError):
+    paged_attention(**inputs, sm_scale=0.125, implementation="pallas_cuda")
+  assert set(IMPLEMENTATIONS) == {"reference", "pallas_gpu", "pallas_triton", "pallas_tpu"}
+
+
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_triton", "pallas_tpu"])
+def test_unsupported_shapes_raise_not_implemented(implementation):
+  fn = _backend(implementation)
+  inputs = make_inputs(6, kv_lens=[5], q_lens=[1], num_tokens=1, num_heads=2,
+                       num_kv_heads=1, head_dim=24, page_size=12, pages_per_seq=2,
+                       dtype=jnp.bfloat16)  # head_dim / page_size no kernel can tile
+  with pytest.raises(NotImplementedError):
+    fn(**inputs, sm_scale=0.1, interpret=True)
+
+
+def test_block_sizes_validate_themselves():
+  with pytest.raises(ValueError):
+    BlockSizes(pages_per_block=3)
+  with pytest.raises(ValueError):
+    BlockSizes(num_warps=3)
+  with pytest.raises(ValueError):
+    BlockSizes(num_stages=0)
+  with pytest.raises(ValueError):
+    default_block_sizes("pallas_cuda", 16)
+  assert default_block_sizes("pallas_gpu", 16).block_kv(16) % 64 == 0
+  assert hash(BlockSizes()) == hash(BlockSizes())
