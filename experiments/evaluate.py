@@ -1,0 +1,91 @@
+"""Runs AR and SD methods over a benchmark and prints tau, c, S_pred and measured speedup.
+
+Flags -> ``specjax.evaluation.EvalConfig`` -> ``run_evaluation``. "ar" (the reference)
+always runs. Examples:
+
+  python -m experiments.evaluate   # smollm2-135m, 24 Spec-Bench prompts, ar,ngram, b=1,4
+  python -m experiments.evaluate --target=qwen2.5-coder-1.5b --draft=qwen2.5-coder-0.5b \
+      --methods=ar,draft_model,ngram --dataset=humaneval --num_prompts=8 --batch_sizes=1
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+
+from specjax.evaluation import EvalConfig, default_output_dir, run_evaluation
+from specjax.workloads import DATASETS
+
+_TARGET = flags.DEFINE_string(
+    "target", "smollm2-135m", "Target model: a models.zoo name, a .gguf file or an HF directory.")
+_DRAFT = flags.DEFINE_string(
+    "draft", None, "Draft model for draft_model (same tokenizer as the target); none = no draft.")
+_METHODS = flags.DEFINE_list("methods", ["ar", "ngram"], "SD methods; 'ar' always runs.")
+_DATASET = flags.DEFINE_enum("dataset", "spec_bench", list(DATASETS), "Prompt set.")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 24, "Prompts, balanced over categories.")
+_CATEGORIES = flags.DEFINE_list("categories", None, "Subset of the dataset's categories.")
+_BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4"], "Batch sizes (max_num_seqs).")
+_K = flags.DEFINE_integer("num_speculative_tokens", 4, "Draft length k of SD methods.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Generated tokens per request (max).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
+_SEED = flags.DEFINE_integer("seed", 0, "Prompt sampling, arrivals and request keys.")
+_REPEATS = flags.DEFINE_integer("repeats", 1, "Measured passes per method and batch size.")
+_OUTPUT_DIR = flags.DEFINE_string(
+    "output_dir", None, "Where results.csv and outputs.jsonl go (default results/<timestamp>).")
+_MAX_MODEL_LEN = flags.DEFINE_integer(
+    "max_model_len", None, "Tokens per sequence (default: longest prompt + max_new_tokens).")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "KV positions per page.")
+_ATTN = flags.DEFINE_list(
+    "attention_implementation", ["reference"],
+    "Paged-attention implementation(s), tried in order (pallas_kernels.paged_attention."
+    "IMPLEMENTATIONS lists them).")
+_RATE = flags.DEFINE_float(
+    "request_rate", None, "Poisson arrivals in requests/s (online mode); unset = offline.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Model dtype.")
+_WARMUP = flags.DEFINE_boolean(
+    "warmup", True, "Run the workload once untimed per engine first (compiles outside timing).")
+_CHAT = flags.DEFINE_boolean(
+    "chat_template", True, "Apply the tokenizer's chat template when it has one.")
+
+
+def config_from_flags() -> EvalConfig:
+  """The ``EvalConfig`` the parsed flags describe."""
+  draft = _DRAFT.value
+  if draft is not None and draft.strip().lower() in ("", "none"):
+    draft = None
+  try:
+    batch_sizes = tuple(int(b) for b in _BATCH_SIZES.value)
+  except ValueError as e:
+    raise ValueError(f"--batch_sizes={','.join(_BATCH_SIZES.value)} must be integers") from e
+  attn = tuple(_ATTN.value)
+  return EvalConfig(
+      target=_TARGET.value,
+      draft=draft,
+      methods=tuple(_METHODS.value),
+      dataset=_DATASET.value,
+      num_prompts=_NUM_PROMPTS.value,
+      categories=tuple(_CATEGORIES.value) if _CATEGORIES.value else None,
+      batch_sizes=batch_sizes,
+      num_speculative_tokens=_K.value,
+      max_new_tokens=_MAX_NEW.value,
+      temperature=_TEMPERATURE.value,
+      seed=_SEED.value,
+      repeats=_REPEATS.value,
+      output_dir=_OUTPUT_DIR.value or default_output_dir(),
+      max_model_len=_MAX_MODEL_LEN.value,
+      page_size=_PAGE_SIZE.value,
+      attention_implementation=attn[0] if len(attn) == 1 else attn,
+      request_rate=_RATE.value,
+      dtype=_DTYPE.value,
+      warmup=_WARMUP.value,
+      chat_template=_CHAT.value,
+  )
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  run_evaluation(config_from_flags())
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,452 @@
+"""One evaluation: AR and SD methods over the same prompts, measured and compared.
+
+``run_evaluation(EvalConfig(...))`` is the library call behind
+``experiments/evaluate.py``. For each batch size it builds one ``Engine`` per method
+(``"ar"``, the reference, always included) on the same target model and request list,
+runs the whole workload once untimed per engine (warm-up: every shape bucket the
+measured pass needs is compiled there, so the measured pass should count ~0 compiles),
+then ``repeats`` measured passes. Each measured pass of each method gives one row.
+
+Definitions (per row; see ``specjax.metrics``):
+
+- ``tau``: committed tokens per sequence per step (accepted + bonus/recovered).
+- ``c``: SD step time / matched AR step time (``metrics.matched_c`` against the AR run
+  of the same batch size and repeat); ``share_matched``: share of SD steps whose
+  (rows, KV-page bucket) signature had an AR step.
+- ``S_pred = tau / c``: the predicted speedup.
+- ``decode_s``: the run's steady-state generation time = sum of the step times of
+  steps that did not compile + prefill time. ``measured_speedup`` = AR ``decode_s`` /
+  SD ``decode_s`` over the same requests, and ``tokens_per_s`` = output tokens /
+  ``decode_s``. ``wall_speedup`` is the same ratio of ``wall_s - compile_s`` (it also
+  counts host time between steps and, online, idle time waiting for arrivals).
+- ``lossless`` (greedy runs of SD methods only; None otherwise): True iff every
+  request's output ids equal AR's; ``num_mismatched`` counts the requests that differ
+  and ``first_divergence`` maps each of them to the first differing output position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import pandas as pd
+
+from methods.registry import make_method
+from pallas_kernels.paged_attention import resolve_implementation
+from specjax.config import EngineConfig, SamplingParams
+from specjax.engine import Engine
+from specjax.metrics import RunMetrics, matched_c, summarize
+from specjax.request import Request
+from specjax.steps import split_model
+from specjax.workloads import load_prompts, poisson_arrivals, tokenize_prompts
+
+__all__ = [
+    "SUMMARY_COLUMNS",
+    "EvalConfig",
+    "default_output_dir",
+    "first_divergence",
+    "load_model",
+    "run_evaluation",
+    "summary_table",
+]
+
+# Printed summary: result column -> header.
+SUMMARY_COLUMNS = {
+    "method": "method",
+    "batch_size": "batch",
+    "tau": "tau",
+    "acceptance_rate": "accept_rate",
+    "c": "c",
+    "S_pred": "S_pred",
+    "measured_speedup": "measured_speedup",
+    "tokens_per_s": "tokens/s",
+    "lossless": "lossless",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+  """What to evaluate. Shared by ``experiments/evaluate.py`` and tests.
+
+  Attributes:
+    target: target model: a ``models.zoo`` name, a ``.gguf`` file or an HF directory.
+    draft: draft model for methods that need one (same tokenizer), or None.
+    methods: method names (``methods.registry``); ``"ar"`` is added first if absent.
+    dataset: a ``specjax.workloads.DATASETS`` name.
+    num_prompts: prompts, balanced over the categories.
+    categories: subset of the dataset's categories; None = all.
+    batch_sizes: each is one engine ``max_num_seqs``.
+    num_speculative_tokens: k, the draft length of SD methods.
+    max_new_tokens: per request.
+    temperature: 0 = greedy.
+    seed: prompt sampling, arrival times and the engine's request keys.
+    repeats: measured passes per (method, batch size).
+    output_dir: where ``results.csv``, ``outputs.jsonl`` and ``config.json`` go;
+      None writes nothing.
+    max_model_len: tokens per sequence; None = longest prompt + ``max_new_tokens``
+      (rounded up to a page).
+    page_size: KV positions per page.
+    attention_implementation: paged-attention implementation(s).
+    request_rate: requests/s of Poisson arrivals (online mode); None = offline (all
+      requests at once, ``max_num_seqs`` of them running at a time).
+    dtype: "float32" or "bfloat16" for the models.
+    warmup: run the whole workload once untimed per engine before measuring.
+    chat_template: apply the tokenizer's chat template when it has one.
+  """
+
+  target: str = "smollm2-135m"
+  draft: str | None = None
+  methods: tuple[str, ...] = ("ar", "ngram")
+  dataset: str = "spec_bench"
+  num_prompts: int = 24
+  categories: tuple[str, ...] | None = None
+  batch_sizes: tuple[int, ...] = (1, 4)
+  num_speculative_tokens: int = 4
+  max_new_tokens: int = 128
+  temperature: float = 0.0
+  seed: int = 0
+  repeats: int = 1
+  output_dir: str | None = None
+  max_model_len: int | None = None
+  page_size: int = 16
+  attention_implementation: str | tuple[str, ...] = "reference"
+  request_rate: float | None = None
+  dtype: str = "float32"
+  warmup: bool = True
+  chat_template: bool = True
+
+  def __post_init__(self):
+    methods = tuple(dict.fromkeys(["ar", *self.methods]))
+    object.__setattr__(self, "methods", methods)
+    object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
+    if self.categories is not None:
+      object.__setattr__(self, "categories", tuple(self.categories) or None)
+    if isinstance(self.attention_implementation, list):
+      object.__setattr__(self, "attention_implementation", tuple(self.attention_implementation))
+    if not self.batch_sizes or min(self.batch_sizes) < 1:
+      raise ValueError(f"batch_sizes={self.batch_sizes} must be a non-empty list of ints >= 1")
+    for name in ("num_prompts", "max_new_tokens", "repeats", "page_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.num_speculative_tokens < 1:
+      raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1")
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature={self.temperature} must be >= 0")
+    if self.request_rate is not None and not self.request_rate > 0:
+      raise ValueError(f"request_rate={self.request_rate} must be > 0 requests/s (None = offline)")
+    if self.max_model_len is not None and self.max_model_len < 2:
+      raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
+
+
+def load_model(name_or_path: str, dtype: str):
+  """``models.zoo.load_model`` (imported on use; tests replace this function)."""
+  from models.zoo import load_model as zoo_load  # noqa: PLC0415
+
+  return zoo_load(name_or_path, dtype=dtype)
+
+
+def default_output_dir(root: str = "results") -> str:
+  """``results/<YYYYmmdd-HHMMSS>``."""
+  return os.path.join(root, datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+  """First index where two token lists differ (a length difference counts); None if equal.
+
+  Example: ``[5, 6, 7]`` vs ``[5, 6, 9, 1]`` -> 2; ``[5, 6]`` vs ``[5, 6, 7]`` -> 2.
+  """
+  for i, (x, y) in enumerate(zip(a, b)):
+    if x != y:
+      return i
+  return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _decode_s(m: RunMetrics) -> float:
+  return sum(s.step_s for s in m.steady_steps()) + m.prefill_s
+
+
+def _ratio(num: float, den: float) -> float:
+  return num / den if den > 0 else float("nan")
+
+
+class _Progress:
+  """One tqdm bar over every pass, in output tokens (``max_new_tokens`` per request)."""
+
+  def __init__(self, total: int, enabled: bool):
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    self.bar = tqdm(total=total, unit="tok", disable=not enabled, dynamic_ncols=True)
+    self.budget = 0
+    self.done = 0
+
+  def start(self, desc: str, budget: int):
+    self.bar.set_description(desc)
+    self.budget, self.done = budget, 0
+
+  def __call__(self, n: int):
+    self.done += n
+    self.bar.update(n)
+
+  def finish(self):
+    # Requests that stopped early leave part of their budget: skip it so the bar ends full.
+    self.bar.update(max(0, self.budget - self.done))
+
+  def close(self):
+    self.bar.close()
+
+
+def _make_requests(cfg: EvalConfig, prompt_ids: list[tuple[int, ...]], prompts) -> list[Request]:
+  sampling = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens)
+  arrivals = (poisson_arrivals(len(prompts), cfg.request_rate, cfg.seed)
+              if cfg.request_rate is not None else np.zeros(len(prompts)))
+  return [Request(p.id, ids, sampling, float(t))
+          for p, ids, t in zip(prompts, prompt_ids, arrivals)]
+
+
+def _resolve_max_model_len(cfg: EvalConfig, prompts, prompt_ids) -> int:
+  longest = max(len(ids) for ids in prompt_ids)
+  if cfg.max_model_len is None:
+    need = longest + cfg.max_new_tokens
+    return -(-need // cfg.page_size) * cfg.page_size
+  for p, ids in zip(prompts, prompt_ids):
+    if len(ids) >= cfg.max_model_len:
+      raise ValueError(
+          f"prompt {p.id!r} has {len(ids)} tokens; max_model_len={cfg.max_model_len} must be "
+          f"larger (leave it unset to fit the longest prompt, {longest} tokens, plus "
+          f"max_new_tokens={cfg.max_new_tokens})"
+      )
+  return cfg.max_model_len
+
+
+def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = True
+                   ) -> pd.DataFrame:
+  """Runs ``cfg`` and returns one row per (method, batch size, repeat).
+
+  Args:
+    cfg: the evaluation.
+    progress: show a tqdm bar (output tokens over all passes).
+    verbose: print the summary table, timings and output paths.
+
+  Returns:
+    The results ``DataFrame`` (also written to ``output_dir/results.csv``).
+
+  Raises:
+    ValueError: unknown method, dataset, category or attention implementation; a
+      method that needs ``draft`` without one; draft/target vocabulary mismatch; a
+      prompt that does not fit ``max_model_len``.
+  """
+  t_start = time.perf_counter()
+  k = cfg.num_speculative_tokens
+  methods = {name: make_method(name, k) for name in cfg.methods}
+  needs_draft = [n for n, m in methods.items() if m.capabilities().needs_draft_model]
+  if needs_draft and cfg.draft is None:
+    raise ValueError(f"methods {needs_draft} need a draft model, but draft=None")
+  resolve_implementation(cfg.attention_implementation)
+  prompts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.categories, cfg.seed)
+
+  if cfg.draft is not None and not needs_draft:
+    print(f"note: draft={cfg.draft!r} is not loaded: none of {list(methods)} uses a draft model")
+  target = load_model(cfg.target, cfg.dtype)
+  draft = load_model(cfg.draft, cfg.dtype) if needs_draft else None
+  tokenizer = target.tokenizer
+  if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+    raise ValueError(f"draft={cfg.draft!r} vocab_size={draft.config.vocab_size} must equal "
+                     f"target={cfg.target!r} vocab_size={target.config.vocab_size}")
+  prompt_ids = tokenize_prompts(prompts, tokenizer, chat_template=cfg.chat_template)
+  max_model_len = _resolve_max_model_len(cfg, prompts, prompt_ids)
+  requests = _make_requests(cfg, prompt_ids, prompts)
+  target_split = split_model(target.model)
+  draft_split = split_model(draft.model) if draft is not None else None
+  t_loaded = time.perf_counter()
+
+  device = jax.devices()[0]
+  static = {
+      "model": cfg.target,
+      "dataset": cfg.dataset,
+      "categories": ",".join(cfg.categories) if cfg.categories else "all",
+      "num_prompts": cfg.num_prompts,
+      "max_new_tokens": cfg.max_new_tokens,
+      "temperature": cfg.temperature,
+      "request_rate": cfg.request_rate,
+      "max_model_len": max_model_len,
+      "page_size": cfg.page_size,
+      "dtype": cfg.dtype,
+      "device": device.device_kind,
+      "backend": jax.default_backend(),
+      "attention_implementation": (",".join(cfg.attention_implementation)
+                                   if isinstance(cfg.attention_implementation, tuple)
+                                   else cfg.attention_implementation),
+      "jax_version": jax.__version__,
+  }
+  greedy = cfg.temperature == 0
+  passes = len(cfg.batch_sizes) * len(methods) * (cfg.repeats + int(cfg.warmup))
+  budget = len(requests) * cfg.max_new_tokens
+  bar = _Progress(passes * budget, progress)
+  rows: list[dict] = []
+  output_records: list[dict] = []
+  warmup_s = measure_s = 0.0
+  try:
+    for batch in cfg.batch_sizes:
+      engine_cfg = EngineConfig(
+          max_num_seqs=batch, max_model_len=max_model_len, page_size=cfg.page_size,
+          attention_implementation=cfg.attention_implementation, seed=cfg.seed,
+      )
+      engines = {
+          name: Engine(target_split, method, engine_cfg,
+                       draft=draft_split if name in needs_draft else None,
+                       eos_token_ids=tokenizer.eos_token_ids, decode=tokenizer.decode)
+          for name, method in methods.items()
+      }
+      if cfg.warmup:
+        t0 = time.perf_counter()
+        for name, engine in engines.items():
+          bar.start(f"warm-up {name} b={batch}", budget)
+          engine.generate(requests, progress=bar)
+          bar.finish()
+        warmup_s += time.perf_counter() - t0
+      for rep in range(cfg.repeats):
+        t0 = time.perf_counter()
+        results = {}
+        for name, engine in engines.items():
+          bar.start(f"{name} b={batch} r={rep}", budget)
+          results[name] = engine.generate(requests, progress=bar)
+          bar.finish()
+        measure_s += time.perf_counter() - t0
+        ar_outs, ar_metrics = results["ar"]
+        for name, (outs, met) in results.items():
+          row, diverged = _row(name, methods[name], outs, met, ar_outs, ar_metrics, greedy)
+          rows.append({**static, "draft": cfg.draft if name in needs_draft else None,
+                       "batch_size": batch, "repeat": rep, **row})
+          output_records.extend(
+              _output_record(name, batch, rep, o, p, diverged)
+              for o, p in zip(outs, prompts)
+          )
+      del engines
+  finally:
+    bar.close()
+  df = _order_columns(pd.DataFrame(rows), k)
+  total_s = time.perf_counter() - t_start
+  if cfg.output_dir is not None:
+    _write(cfg, df, output_records)
+  if verbose:
+    compiles = int(df["num_compiles"].sum())
+    print(summary_table(df).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(f"\n{cfg.target} on {static['device']} ({static['backend']}), {cfg.dataset} "
+          f"x{cfg.num_prompts}, {cfg.max_new_tokens} new tokens, T={cfg.temperature}; "
+          f"time: load+tokenize {t_loaded - t_start:.1f}s, warm-up {warmup_s:.1f}s, "
+          f"measured {measure_s:.1f}s, total {total_s:.1f}s; "
+          f"compiles in measured passes: {compiles}")
+    if compiles and cfg.warmup:
+      print("note: measured passes compiled; their compiled steps are left out of decode_s")
+    if cfg.output_dir is not None:
+      print(f"wrote {os.path.join(cfg.output_dir, 'results.csv')} and outputs.jsonl")
+  return df
+
+
+def _row(name, method, outs, met, ar_outs, ar_metrics, greedy) -> tuple[dict, dict]:
+  k = method.num_speculative_tokens
+  s = summarize(met, outs, k)
+  c, share = matched_c(met, ar_metrics)
+  decode_s, ar_decode_s = _decode_s(met), _decode_s(ar_metrics)
+  diverged: dict = {}
+  lossless = None
+  if greedy and name != "ar":
+    for o, ref in zip(outs, ar_outs):
+      pos = first_divergence(o.output_token_ids, ref.output_token_ids)
+      if pos is not None:
+        diverged[o.request_id] = pos
+    lossless = not diverged
+  row = {
+      "method": name,
+      "method_config": json.dumps(method.describe(), sort_keys=True, default=str),
+      "k": k,
+      "tau": s["tau"],
+      "acceptance_rate": s["acceptance_rate"],
+      "c": c,
+      "share_matched": share,
+      "S_pred": _ratio(s["tau"], c),
+      "measured_speedup": _ratio(ar_decode_s, decode_s),
+      "wall_speedup": _ratio(ar_metrics.wall_s - ar_metrics.compile_s,
+                             met.wall_s - met.compile_s),
+      "tokens_per_s": _ratio(s["num_output_tokens"], decode_s),
+      "decode_s": decode_s,
+      "lossless": lossless,
+      "num_mismatched": len(diverged) if lossless is not None else None,
+      "first_divergence": json.dumps({str(r): p for r, p in diverged.items()}),
+      **{key: v for key, v in s.items() if key not in ("tau", "acceptance_rate")},
+  }
+  return row, diverged
+
+
+def _output_record(method, batch, rep, out, prompt, diverged) -> dict:
+  return {
+      "method": method,
+      "batch_size": batch,
+      "repeat": rep,
+      "request_id": out.request_id,
+      "category": prompt.category,
+      "subcategory": prompt.subcategory,
+      "prompt_tokens": len(out.prompt_token_ids),
+      "output_token_ids": out.output_token_ids,
+      "text": out.text,
+      "finish_reason": out.finish_reason,
+      "num_steps": out.num_steps,
+      "num_draft_tokens": out.num_draft_tokens,
+      "num_accepted_tokens": out.num_accepted_tokens,
+      "ttft_s": out.ttft_s,
+      "tpot_s": out.tpot_s,
+      "latency_s": out.latency_s,
+      "first_divergence": diverged.get(out.request_id),
+  }
+
+
+_LEADING = [
+    "model", "draft", "method", "method_config", "k", "batch_size", "repeat", "dataset",
+    "categories", "num_prompts", "max_new_tokens", "temperature", "request_rate", "tau",
+    "acceptance_rate", "c", "share_matched", "S_pred", "measured_speedup", "wall_speedup",
+    "tokens_per_s", "decode_s", "lossless", "num_mismatched", "first_divergence",
+]
+
+
+def _order_columns(df: pd.DataFrame, k: int) -> pd.DataFrame:
+  pos_cols = [f"accept_rate_pos{j + 1}" for j in range(k)]
+  for col in pos_cols:
+    if col not in df:
+      df[col] = float("nan")
+  rest = [c for c in df.columns if c not in _LEADING and c not in pos_cols]
+  return df[[c for c in _LEADING if c in df] + pos_cols + rest]
+
+
+def summary_table(df: pd.DataFrame) -> pd.DataFrame:
+  """Mean over repeats per (method, batch size) of the ``SUMMARY_COLUMNS``.
+
+  ``lossless`` is True only if every repeat was; None (AR, or sampling) stays empty.
+  """
+  def all_true(values):
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return all(values) if values else None
+
+  numeric = [c for c in SUMMARY_COLUMNS if c not in ("method", "batch_size", "lossless")]
+  g = df.groupby(["method", "batch_size"], sort=False)
+  out = g[numeric].mean().join(g["lossless"].agg(all_true)).reset_index()
+  out["lossless"] = out["lossless"].map(lambda v: "" if v is None else str(bool(v)))
+  return out[list(SUMMARY_COLUMNS)].rename(columns=SUMMARY_COLUMNS)
+
+
+def _write(cfg: EvalConfig, df: pd.DataFrame, records: list[dict]) -> None:
+  os.makedirs(cfg.output_dir, exist_ok=True)
+  df.to_csv(os.path.join(cfg.output_dir, "results.csv"), index=False)
+  with open(os.path.join(cfg.output_dir, "outputs.jsonl"), "w", encoding="utf-8") as f:
+    for r in records:
+      f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
+  with open(os.path.join(cfg.output_dir, "config.json"), "w", encoding="utf-8") as f:
+    json.dump(dataclasses.asdict(cfg), f, indent=2)

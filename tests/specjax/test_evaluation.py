@@ -1,0 +1,169 @@
+"""End-to-end evaluation on tiny random models with a stub tokenizer (no real weights)."""
+
+import json
+import types
+import zlib
+
+import jax
+import pandas as pd
+import pytest
+from absl import flags
+from absl.testing import flagsaver
+
+from models import testing
+from specjax import evaluation
+from specjax.evaluation import EvalConfig, first_divergence, run_evaluation
+
+VOCAB = 96
+
+
+class StubTokenizer:
+  """Words -> ids by crc32 (ids 3..V-1), at most 12 words; ChatML-like template.
+
+  Ids: 1 = BOS, 2 = EOS (the tiny config's), 0 never produced by ``encode``.
+  """
+
+  chat_template = "stub"
+  eos_token_ids = (2,)
+
+  def encode(self, text, add_special_tokens=True):
+    words = text.replace("<", " <").split()[:12]
+    ids = [zlib.crc32(w.encode()) % (VOCAB - 3) + 3 for w in words]
+    return ([1] if add_special_tokens else []) + ids
+
+  def decode(self, ids):
+    return " ".join(f"t{i}" for i in ids)
+
+  def apply_chat_template(self, messages, add_generation_prompt=True):
+    return "<bos> " + " ".join(m["content"] for m in messages) + " <assistant>"
+
+
+@pytest.fixture
+def tiny_models(monkeypatch):
+  cfg = testing.tiny_config("llama", vocab_size=VOCAB)
+  models = {
+      "tiny-target": testing.random_model(cfg, seed=0),
+      # The target's own weights: every greedy draft is accepted (tau = k + 1 when it fits).
+      "tiny-draft": testing.random_model(cfg, seed=0),
+      "tiny-other-vocab": testing.random_model(cfg.replace(vocab_size=VOCAB + 8), seed=2),
+  }
+  loaded = []
+
+  def load(name, dtype):
+    assert dtype == "float32"
+    loaded.append(name)
+    if name not in models:
+      raise ValueError(f"name={name!r} is not a test model")
+    m = models[name]
+    return types.SimpleNamespace(name=name, config=m.cfg, model=m, tokenizer=StubTokenizer())
+
+  monkeypatch.setattr(evaluation, "load_model", load)
+  return loaded
+
+
+def test_end_to_end_greedy_lossless(tiny_models, tmp_path, capsys):
+  cfg = EvalConfig(
+      target="tiny-target", draft="tiny-draft", methods=("ngram", "draft_model"),
+      dataset="spec_bench", num_prompts=6, batch_sizes=(1, 3), num_speculative_tokens=3,
+      max_new_tokens=10, page_size=8, output_dir=str(tmp_path),
+  )
+  with jax.default_matmul_precision("highest"):
+    df = run_evaluation(cfg, progress=False)
+  assert cfg.methods == ("ar", "ngram", "draft_model")
+  assert tiny_models == ["tiny-target", "tiny-draft"]
+  assert len(df) == 3 * 2
+  expected = {
+      "model", "draft", "method", "method_config", "k", "batch_size", "repeat", "dataset",
+      "num_prompts", "temperature", "device", "backend", "attention_implementation",
+      "jax_version", "tau", "acceptance_rate", "accept_rate_pos1", "accept_rate_pos3", "c",
+      "share_matched", "S_pred", "measured_speedup", "tokens_per_s", "ttft_p50_s",
+      "ttft_p95_s", "tpot_p50_s", "tpot_p95_s", "draft_ms", "verify_ms", "rejection_ms",
+      "host_ms", "num_compiles", "compile_s", "lossless", "num_mismatched", "first_divergence",
+  }
+  assert expected <= set(df.columns)
+  sd = df[df.method != "ar"]
+  assert sd.lossless.tolist() == [True] * 4
+  assert (sd.num_mismatched == 0).all()
+  # The warm-up pass compiled every bucket: the measured passes compile nothing.
+  assert (df.num_compiles == 0).all()
+  assert (df.S_pred - df.tau / df.c).abs().max() < 1e-9
+  ar = df[df.method == "ar"]
+  assert (ar.tau == 1.0).all() and (ar.k == 0).all() and ar.lossless.isna().all()
+  assert (df[df.method == "draft_model"].tau > 1.0).all()
+  assert set(df[df.method == "draft_model"].draft) == {"tiny-draft"}
+  assert df[df.method == "ngram"].draft.isna().all()
+  assert json.loads(sd.method_config.iloc[0])["k"] == 3
+
+  written = pd.read_csv(tmp_path / "results.csv")
+  assert len(written) == len(df)
+  records = [json.loads(x) for x in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+  assert len(records) == 3 * 2 * 6
+  assert {"request_id", "category", "output_token_ids", "text"} <= set(records[0])
+  assert json.loads((tmp_path / "config.json").read_text())["num_prompts"] == 6
+  printed = capsys.readouterr().out
+  for header in ("method", "batch", "tau", "accept_rate", "c", "S_pred", "measured_speedup",
+                 "tokens/s", "lossless"):
+    assert header in printed
+
+
+def test_sampling_online_repeats(tiny_models):
+  cfg = EvalConfig(
+      target="tiny-target", methods=("ngram",), dataset="gsm8k", num_prompts=3,
+      batch_sizes=(3,), max_new_tokens=6, temperature=0.8, repeats=2, page_size=8,
+      request_rate=200.0, warmup=False,
+  )
+  df = run_evaluation(cfg, progress=False, verbose=False)
+  assert len(df) == 2 * 2 and sorted(set(df.repeat)) == [0, 1]
+  assert df.lossless.isna().all()  # no token-for-token check when sampling
+  assert (df.request_rate == 200.0).all()
+
+
+def test_bad_values_raise_before_loading(tiny_models):
+  with pytest.raises(ValueError, match="method name='nope' is unknown"):
+    run_evaluation(EvalConfig(target="tiny-target", methods=("nope",)), progress=False)
+  with pytest.raises(ValueError, match=r"\['draft_model'\] need a draft model"):
+    run_evaluation(EvalConfig(target="tiny-target", methods=("draft_model",)), progress=False)
+  with pytest.raises(ValueError, match="dataset='nope'"):
+    run_evaluation(EvalConfig(target="tiny-target", dataset="nope"), progress=False)
+  with pytest.raises(ValueError, match="implementation"):
+    run_evaluation(EvalConfig(target="tiny-target", attention_implementation="nope"),
+                   progress=False)
+  assert tiny_models == []
+  with pytest.raises(ValueError, match="batch_sizes"):
+    EvalConfig(batch_sizes=(0,))
+  with pytest.raises(ValueError, match="temperature=-1"):
+    EvalConfig(temperature=-1.0)
+  with pytest.raises(ValueError, match="request_rate=0"):
+    EvalConfig(request_rate=0.0)
+
+
+def test_bad_models_and_lengths(tiny_models):
+  with pytest.raises(ValueError, match="vocab_size"):
+    run_evaluation(EvalConfig(target="tiny-target", draft="tiny-other-vocab",
+                              methods=("draft_model",)), progress=False)
+  with pytest.raises(ValueError, match="max_model_len=8 must be larger"):
+    run_evaluation(EvalConfig(target="tiny-target", num_prompts=2, max_model_len=8),
+                   progress=False)
+  with pytest.raises(ValueError, match="'missing' is not a test model"):
+    run_evaluation(EvalConfig(target="missing"), progress=False)
+
+
+def test_first_divergence():
+  assert first_divergence([5, 6, 7], [5, 6, 7]) is None
+  assert first_divergence([5, 6, 7], [5, 6, 9, 1]) == 2
+  assert first_divergence([5, 6], [5, 6, 7]) == 2
+
+
+def test_binary_flags_to_config():
+  from experiments import evaluate
+
+  with flagsaver.flagsaver():
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["evaluate", "--methods=ngram,draft_model", "--draft=none",
+                 "--batch_sizes=1,2", "--output_dir=/tmp/x", "--categories=qa,rag"])
+    cfg = evaluate.config_from_flags()
+  assert cfg.methods == ("ar", "ngram", "draft_model")
+  assert cfg.draft is None and cfg.batch_sizes == (1, 2)
+  assert cfg.categories == ("qa", "rag") and cfg.output_dir == "/tmp/x"
+  assert cfg.target == "smollm2-135m" and cfg.num_prompts == 24 and cfg.max_new_tokens == 128
+  assert cfg.temperature == 0 and cfg.request_rate is None

@@ -1,0 +1,125 @@
+"""Benchmark workloads: packaged data, balanced deterministic sampling, arrivals, tokenization."""
+
+import collections
+import hashlib
+import importlib.resources
+import re
+
+import numpy as np
+import pytest
+
+from specjax import workloads
+from specjax.workloads import CATEGORIES, DATASETS, load_prompts, poisson_arrivals
+
+_FILES = {
+    "spec_bench": "question.jsonl",
+    "mt_bench": "question.jsonl",
+    "gsm8k": "test.jsonl",
+    "humaneval": "HumanEval.jsonl.gz",
+    "instructcoder_editeval": "edit_eval.jsonl",
+    "sharegpt": "sharegpt_v3_first500.jsonl",
+}
+
+
+@pytest.mark.parametrize("folder", sorted(_FILES))
+def test_packaged_data_matches_source_sha256(folder):
+  root = importlib.resources.files("specjax").joinpath("data", folder)
+  source = root.joinpath("SOURCE.md").read_text(encoding="utf-8")
+  want = re.search(r"sha256 `([0-9a-f]{64})`", source.split("- Origin")[1]).group(1)
+  if folder == "sharegpt":  # the first hash there is the wheel's; the file's comes later
+    want = re.findall(r"sha256 `([0-9a-f]{64})`", source)[1]
+  got = hashlib.sha256(root.joinpath(_FILES[folder]).read_bytes()).hexdigest()
+  assert got == want
+
+
+def test_spec_bench_categories_balanced_and_interleaved():
+  prompts = load_prompts("spec_bench", 24)
+  counts = collections.Counter(p.category for p in prompts)
+  assert counts == {c: 4 for c in CATEGORIES["spec_bench"]}
+  assert [p.category for p in prompts[:6]] == list(CATEGORIES["spec_bench"])
+  assert len({p.id for p in prompts}) == 24
+  mt = [p for p in prompts if p.category == "mt_bench"]
+  assert all(p.subcategory in CATEGORIES["mt_bench"] for p in mt)
+  assert all(len(p.turns) == 2 and p.text == p.turns[0] for p in mt)
+
+
+def test_remainder_goes_to_first_categories():
+  prompts = load_prompts("spec_bench", 8)
+  counts = collections.Counter(p.category for p in prompts)
+  assert counts == {"mt_bench": 2, "translation": 2, "summarization": 1, "qa": 1,
+                    "math_reasoning": 1, "rag": 1}
+
+
+def test_deterministic_and_seeded():
+  a = load_prompts("mt_bench", 16, seed=0)
+  assert [p.id for p in a] == [p.id for p in load_prompts("mt_bench", 16, seed=0)]
+  assert [p.id for p in a] != [p.id for p in load_prompts("mt_bench", 16, seed=1)]
+
+
+def test_category_subset():
+  prompts = load_prompts("spec_bench", 6, categories=["qa", "rag"])
+  assert [p.category for p in prompts] == ["qa", "rag"] * 3
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_every_dataset_loads(dataset):
+  prompts = load_prompts(dataset, 3)
+  assert len(prompts) == 3
+  assert all(p.dataset == dataset and p.text.strip() for p in prompts)
+  assert all(p.messages == [{"role": "user", "content": p.text}] for p in prompts)
+
+
+def test_humaneval_completion_and_chat_text():
+  (p,) = load_prompts("humaneval", 1)
+  assert p.raw_text == p.completion and p.completion.rstrip().endswith('"""')
+  assert p.completion in p.text and p.text.startswith("Complete the following Python")
+
+
+def test_sharegpt_uses_first_human_turn():
+  for p in load_prompts("sharegpt", 10):
+    assert p.text == p.turns[0]
+
+
+def test_errors_name_the_value():
+  with pytest.raises(ValueError, match="dataset='nope'.*spec_bench"):
+    load_prompts("nope", 4)
+  with pytest.raises(ValueError, match="'chess'.*allowed.*translation"):
+    load_prompts("spec_bench", 4, categories=["translation", "chess"])
+  with pytest.raises(ValueError, match="num_prompts=165 is more than the 164"):
+    load_prompts("humaneval", 165)
+  with pytest.raises(ValueError, match="num_prompts=162 is more than the 160"):
+    load_prompts("spec_bench", 162, categories=["qa", "rag"])
+  with pytest.raises(ValueError, match="num_prompts=0"):
+    load_prompts("gsm8k", 0)
+
+
+def test_poisson_arrivals():
+  t = poisson_arrivals(4000, rate_per_s=8.0, seed=3)
+  assert t[0] == 0 and np.all(np.diff(t) >= 0)
+  assert np.mean(np.diff(t)) == pytest.approx(1 / 8.0, rel=0.05)
+  np.testing.assert_array_equal(t, poisson_arrivals(4000, 8.0, seed=3))
+  np.testing.assert_array_equal(poisson_arrivals(3, float("inf")), np.zeros(3))
+  with pytest.raises(ValueError, match="rate_per_s=0"):
+    poisson_arrivals(3, 0.0)
+
+
+class _Tok:
+  """One id per character; a ChatML-like template string when ``chat_template`` is set."""
+
+  def __init__(self, chat_template):
+    self.chat_template = chat_template
+
+  def encode(self, text, add_special_tokens=True):
+    return ([1] if add_special_tokens else []) + [ord(c) % 50 + 3 for c in text]
+
+  def apply_chat_template(self, messages, add_generation_prompt=True):
+    return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def test_tokenize_prompts_chat_and_plain():
+  prompts = load_prompts("humaneval", 2)
+  chat = workloads.tokenize_prompts(prompts, _Tok("{{ x }}"))
+  assert chat[0] == tuple(_Tok(None).encode(f"<user>{prompts[0].text}<assistant>", False))
+  plain = workloads.tokenize_prompts(prompts, _Tok(None))  # no template: raw completion
+  assert plain[0] == tuple(_Tok(None).encode(prompts[0].completion))
+  assert workloads.tokenize_prompts(prompts, _Tok("t"), chat_template=False) == plain
