@@ -274,7 +274,6 @@ class Engine:
     for i, st in enumerate(rows):
       a, n = int(acc[i]), int(num_draft[i])
       drafted_pos[:n] += 1
-      acc_pos[:a] += 1
       emitted = []
       for tok in out[i, : a + 1]:
         emitted.append(int(tok))
@@ -287,6 +286,7 @@ class Engine:
       st.num_steps += 1
       st.num_draft_tokens += n
       st.num_accepted_tokens += min(a, len(emitted))
+      acc_pos[: min(a, len(emitted))] += 1  # drafts after a stop are not counted
       n_emitted += len(emitted)
       emitted_rows.append(emitted)
       if st.finish_reason is not None:
