@@ -137,8 +137,12 @@ class Transformer(nnx.Module):
 
   def lm_logits(self, h: jax.Array) -> jax.Array:
     """Final-normed hidden ``[..., D] -> f32[..., V]``."""
-    w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-    # Matmul in the parameter dtype with f32 accumulation (no f32 copy of the head).
+    # Matmul in the parameter dtype with f32 accumulation (no f32 copy of the head); the
+    # tied embedding is contracted as stored ([V, D]) so no transposed copy is made.
+    if self.cfg.tie_word_embeddings:
+      w = self.embed[...]
+      return jnp.einsum("...D,VD->...V", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    w = self.lm_head[...]
     return jnp.einsum("...D,DV->...V", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
   def __call__(
