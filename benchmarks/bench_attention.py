@@ -1,9 +1,10 @@
 """Decode paged-attention bandwidth on one GPU: kernels vs the jnp reference vs HBM copy.
 
 Shape: Llama-8B attention (32 query heads, 8 KV heads, head_dim 128, bf16), batch 32,
-context 4096, every page read once. Bytes counted = KV bytes read (B * S * 2K * H * 2)
-+ Q and O (tiny); achieved GB/s = bytes / median time. The copy ceiling is a jitted
-``x + 1`` over a 2 GiB bf16 array (read + write counted).
+context 4096 (512 MiB of KV), every page read once. Bytes counted = KV bytes read
+(B * S * 2K * H * 2) + Q and O (tiny); achieved GB/s = bytes / median time of 20
+back-to-back calls (7 repeats). Ceilings (see ``copy_bandwidth``) are measured on a
+2 GiB bf16 array in the same process.
 
   python3 benchmarks/bench_attention.py            # writes $OUT/bench_attention.csv
 """
@@ -44,10 +45,37 @@ def timed(fn, *args, reps=7, inner=20):
 
 
 def copy_bandwidth():
+  """Bytes/s of three streaming ceilings: XLA ``x + 1`` (read + write), XLA sum (read),
+  and a PyTorch device-to-device copy (read + write; the figure KINDS.md quotes)."""
   x = jax.random.normal(jax.random.key(0), (1024, 1024, 1024), jnp.bfloat16)  # 2 GiB
-  f = jax.jit(lambda x: x + 1)
-  med, _, _ = timed(f, x, reps=5, inner=5)
-  return 2 * x.size * x.dtype.itemsize / med
+  nbytes = x.size * x.dtype.itemsize
+  ceilings = {}
+  med, _, _ = timed(jax.jit(lambda x: x + 1), x, reps=5, inner=5)
+  ceilings["xla_add_one_rw"] = 2 * nbytes / med
+  med, _, _ = timed(jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x, reps=5, inner=5)
+  ceilings["xla_sum_read"] = nbytes / med
+  del x
+  try:
+    import torch
+  except ImportError:
+    return ceilings
+  if torch.cuda.is_available():
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+      dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+      start.record()
+      dst.copy_(src)
+      end.record()
+      torch.cuda.synchronize()
+      times.append(start.elapsed_time(end) / 1e3)
+    ceilings["torch_copy_rw"] = 2 * nbytes / statistics.median(times)
+    del src, dst
+    torch.cuda.empty_cache()
+  return ceilings
 
 
 def make_inputs(page_size, num_tokens, seed=0):
@@ -68,55 +96,59 @@ def main():
   out_dir = os.environ.get("OUT", "bench_out")
   os.makedirs(out_dir, exist_ok=True)
   print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
-  copy_bw = copy_bandwidth()
-  print(f"HBM copy (x + 1, 2 GiB bf16, read+write): {copy_bw / 1e9:.0f} GB/s", flush=True)
+  ceilings = copy_bandwidth()
+  for name, value in ceilings.items():
+    print(f"ceiling {name} (2 GiB bf16): {value / 1e9:.0f} GB/s", flush=True)
+  copy_bw = max(ceilings.values())  # fractions below are of the best streaming ceiling
   rows = []
   sm_scale = HEAD_DIM ** -0.5
-  for page_size in (16, 64):
-    for num_tokens in (1, 4):  # decode and chain verify with L = 3
-      args = make_inputs(page_size, num_tokens)
-      q, kv = args[0], args[1]
-      kv_bytes = BATCH * CONTEXT * 2 * KV_HEADS * HEAD_DIM * kv.dtype.itemsize
-      total_bytes = kv_bytes + 2 * q.size * q.dtype.itemsize
-      ref_fn = jax.jit(lambda *a: paged_attention_reference(*a, sm_scale=sm_scale))
-      ref = ref_fn(*args)
-      variants = [("reference", None, ref_fn)]
-      for impl, configs in (
-          ("pallas_gpu", [None, BlockSizes(pages_per_block=max(1, 64 // page_size), num_stages=4),
-                          BlockSizes(pages_per_block=max(1, 128 // page_size), num_stages=2),
-                          BlockSizes(pages_per_block=max(1, 128 // page_size), num_stages=3)]),
-          ("pallas_triton", [None, BlockSizes(pages_per_block=max(1, 128 // page_size),
-                                              num_warps=4, num_stages=3),
-                             BlockSizes(pages_per_block=max(1, 64 // page_size), num_warps=8,
-                                        num_stages=3)]),
-      ):
-        for bs in configs:
-          fn = _backend(impl)
-          variants.append((impl, bs, jax.jit(
-              lambda *a, fn=fn, bs=bs: fn(*a, sm_scale=sm_scale, block_sizes=bs))))
-      for impl, bs, fn in variants:
-        label = f"{impl}[{'default' if bs is None else bs}]" if impl != "reference" else impl
-        try:
-          out = fn(*args)
-          err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-          med, lo, hi = timed(fn, *args)
-        except Exception as e:  # report and go on: one bad config must not hide the rest
-          print(f"P={page_size} T={num_tokens} {label}: FAILED {type(e).__name__}: "
-                f"{str(e)[:300]}", flush=True)
-          rows.append(dict(page_size=page_size, num_tokens=num_tokens, impl=impl,
-                           block_sizes=str(bs), error=f"{type(e).__name__}"))
-          continue
-        gbps = total_bytes / med / 1e9
-        row = dict(page_size=page_size, num_tokens=num_tokens, impl=impl, block_sizes=str(bs),
-                   median_us=round(med * 1e6, 1), min_us=round(lo * 1e6, 1),
-                   max_us=round(hi * 1e6, 1), GBps=round(gbps, 1),
-                   frac_of_copy=round(gbps * 1e9 / copy_bw, 3), max_abs_err=err,
-                   copy_GBps=round(copy_bw / 1e9, 1), jax=jax.__version__,
-                   device=jax.devices()[0].device_kind)
-        rows.append(row)
-        print(f"P={page_size} T={num_tokens} {label}: {med * 1e6:.1f} us "
-              f"(min {lo * 1e6:.1f}, max {hi * 1e6:.1f}) {gbps:.0f} GB/s "
-              f"= {gbps * 1e9 / copy_bw:.2f} x copy, max|err| {err:.3g}", flush=True)
+  for page_size, num_tokens in ((16, 1), (64, 1), (16, 4)):  # decode; chain verify L = 3
+    args = make_inputs(page_size, num_tokens)
+    q, kv = args[0], args[1]
+    kv_bytes = BATCH * CONTEXT * 2 * KV_HEADS * HEAD_DIM * kv.dtype.itemsize
+    total_bytes = kv_bytes + 2 * q.size * q.dtype.itemsize
+    ref_fn = jax.jit(lambda *a: paged_attention_reference(*a, sm_scale=sm_scale))
+    ref = ref_fn(*args)
+
+    def pages(keys, page_size=page_size):
+      return max(1, keys // page_size)
+
+    variants = [("reference", None, ref_fn)]
+    for impl, configs in (
+        ("pallas_gpu", [None, BlockSizes(pages_per_block=pages(64), num_stages=4),
+                        BlockSizes(pages_per_block=pages(128), num_stages=2),
+                        BlockSizes(pages_per_block=pages(128), num_stages=3)]),
+        ("pallas_triton", [None, BlockSizes(pages_per_block=pages(128), num_stages=3),
+                           BlockSizes(pages_per_block=pages(256), num_warps=8, num_stages=3),
+                           BlockSizes(pages_per_block=pages(128), num_stages=4)]),
+    ):
+      for bs in configs:
+        fn = _backend(impl)
+        variants.append((impl, bs, jax.jit(
+            lambda *a, fn=fn, bs=bs: fn(*a, sm_scale=sm_scale, block_sizes=bs))))
+    for impl, bs, fn in variants:
+      label = f"{impl}[{'default' if bs is None else bs}]" if impl != "reference" else impl
+      try:
+        out = fn(*args)
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+        med, lo, hi = timed(fn, *args)
+      except Exception as e:  # report and go on: one bad config must not hide the rest
+        print(f"P={page_size} T={num_tokens} {label}: FAILED {type(e).__name__}: "
+              f"{str(e)[:300]}", flush=True)
+        rows.append(dict(page_size=page_size, num_tokens=num_tokens, impl=impl,
+                         block_sizes=str(bs), error=f"{type(e).__name__}"))
+        continue
+      gbps = total_bytes / med / 1e9
+      rows.append(dict(
+          page_size=page_size, num_tokens=num_tokens, impl=impl, block_sizes=str(bs),
+          median_us=round(med * 1e6, 1), min_us=round(lo * 1e6, 1), max_us=round(hi * 1e6, 1),
+          GBps=round(gbps, 1), frac_of_best_ceiling=round(gbps * 1e9 / copy_bw, 3),
+          max_abs_err=err, **{f"{k}_GBps": round(v / 1e9, 1) for k, v in ceilings.items()},
+          jax=jax.__version__, device=jax.devices()[0].device_kind,
+      ))
+      print(f"P={page_size} T={num_tokens} {label}: {med * 1e6:.1f} us "
+            f"(min {lo * 1e6:.1f}, max {hi * 1e6:.1f}) {gbps:.0f} GB/s "
+            f"= {gbps * 1e9 / copy_bw:.2f} x best ceiling, max|err| {err:.3g}", flush=True)
   keys = sorted({k for r in rows for k in r})
   with open(os.path.join(out_dir, "bench_attention.csv"), "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=keys)

@@ -83,10 +83,18 @@ def _kernel(
   last = jnp.where(q_len > 0, lax.div(kv_len + (block_kv - 1), jnp.int32(block_kv)), first)
   num_blocks = jnp.maximum(last - first, 0)
 
-  def issue(block, slot):
-    # Worked example: pages_per_block 4, block 3 covers logical pages 12..15.
-    for j in range(pages_per_block):
-      page = jnp.maximum(pages_ref[b, block * pages_per_block + j], 0)
+  total_blocks = pages_ref.shape[1] // pages_per_block
+
+  def load_pages(block):
+    # Worked example: pages_per_block 4, block 3 covers logical pages 12..15. Unmapped
+    # (-1) pages are read as page 0 and masked. The block is clamped so that a look-ahead
+    # load past the table stays in bounds (its pages are then never used).
+    block = jnp.minimum(block, total_blocks - 1)
+    return tuple(jnp.maximum(pages_ref[b, block * pages_per_block + j], 0)
+                 for j in range(pages_per_block))
+
+  def issue(pages, slot):
+    for j, page in enumerate(pages):
       rows_j = pl.ds(j * page_size, page_size)
       plgpu.copy_gmem_to_smem(
           kv_ref.at[page, :, 2 * kh, :], k_smem.at[slot, rows_j],
@@ -101,7 +109,7 @@ def _kernel(
   for s in range(num_stages - 1):
     @pl.when(s < num_blocks)
     def _prologue():
-      issue(first + s, s)
+      issue(load_pages(first + s), s)
 
   # Register layouts are annotations for the Mosaic GPU compiler; its CPU interpreter
   # has no rules for them, so they are skipped there (values are identical).
@@ -131,14 +139,19 @@ def _kernel(
   plgpu.barrier_wait(q_bar.at[0])
 
   def body(i, carry):
-    acc, m_i, l_i = carry
+    acc, m_i, l_i, ahead_pages = carry
     slot = lax.rem(i, jnp.int32(num_stages))
     block = first + i
+    nxt = i + (num_stages - 1)
 
-    @pl.when(i + (num_stages - 1) < num_blocks)
+    @pl.when(nxt < num_blocks)
     def _prefetch():
-      nxt = i + (num_stages - 1)
-      issue(first + nxt, lax.rem(nxt, jnp.int32(num_stages)))
+      issue(ahead_pages, lax.rem(nxt, jnp.int32(num_stages)))
+
+    # Page-table entries for the next step's prefetch are loaded one step early: a
+    # global scalar load costs ~1 us of latency, which would otherwise sit on every
+    # step's critical path in front of the TMA issue.
+    ahead_pages = load_pages(first + nxt + 1)
 
     for j in range(pages_per_block):
       plgpu.barrier_wait(k_bars.at[slot * pages_per_block + j])
@@ -187,12 +200,13 @@ def _kernel(
         return acc_ref[...]
 
       pv = pl.run_scoped(compute_pv, plgpu.ACC((rows, head_dim), jnp.float32))
-    return acc + pv, m_new, l_i
+    return acc + pv, m_new, l_i, ahead_pages
 
   acc = with_layout(jnp.zeros((rows, head_dim), jnp.float32), wgmma_layout)
   m_i = with_layout(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
   l_i = with_layout(jnp.zeros((rows,), jnp.float32), row_layout)
-  acc, _, l_i = lax.fori_loop(0, num_blocks, body, (acc, m_i, l_i))
+  ahead_pages = load_pages(first + num_stages - 1)
+  acc, _, l_i, _ = lax.fori_loop(0, num_blocks, body, (acc, m_i, l_i, ahead_pages))
   l_i = jnp.where(l_i > 0, l_i, 1.0)
   acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
   q_smem[...] = acc.astype(dtype)
