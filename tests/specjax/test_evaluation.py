@@ -167,3 +167,13 @@ def test_binary_flags_to_config():
   assert cfg.categories == ("qa", "rag") and cfg.output_dir == "/tmp/x"
   assert cfg.target == "smollm2-135m" and cfg.num_prompts == 24 and cfg.max_new_tokens == 128
   assert cfg.temperature == 0 and cfg.request_rate is None
+
+
+@pytest.mark.realmodel
+def test_real_smollm2_ngram_lossless():
+  cfg = EvalConfig(target="smollm2-135m", methods=("ngram",), categories=("qa", "translation"),
+                   num_prompts=2, batch_sizes=(2,), max_new_tokens=16, warmup=False)
+  df = run_evaluation(cfg, progress=False, verbose=False)
+  ngram = df[df.method == "ngram"].iloc[0]
+  assert ngram.lossless and ngram.tau >= 1.0
+  assert (df.num_output_tokens > 0).all()
