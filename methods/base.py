@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-__all__ = ["Capabilities", "Draft", "Method", "ProposeContext", "RuntimeInfo", "VerifyResult"]
+__all__ = ["Capabilities", "Draft", "Method", "PrefillResult", "ProposeContext", "RuntimeInfo",
+           "VerifyResult"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,26 @@ class VerifyResult:
   target_hidden: tuple = ()
 
 
+@dataclasses.dataclass
+class PrefillResult:
+  """What a prefill step computed, for methods that read target hidden states.
+
+  Only sent when ``Capabilities.target_hidden_layers`` is non-empty.
+
+  Attributes:
+    request_ids: one per real row.
+    starts: ``i32[rows]`` absolute position of each row's first prefilled token.
+    num_tokens: ``i32[rows]`` prefilled tokens per row (row b's hidden states are
+      ``hidden[i][b, :num_tokens[b]]`` for positions ``starts[b] ..``).
+    target_hidden: tuple of ``[B, T, D]`` hidden states, one per requested layer.
+  """
+
+  request_ids: list
+  starts: np.ndarray
+  num_tokens: np.ndarray
+  target_hidden: tuple = ()
+
+
 class Method(abc.ABC):
   """Base of all SD methods. Subclasses are frozen keyword-only dataclasses."""
 
@@ -132,6 +153,10 @@ class Method(abc.ABC):
     """Returns the new state and a ``Draft`` for the rows of ``context``."""
 
   def observe(self, state: Any, result: VerifyResult) -> Any:
+    return state
+
+  def observe_prefill(self, state: Any, result: PrefillResult) -> Any:
+    """Sees the target hidden states of a prefill (only if it asked for hidden layers)."""
     return state
 
   def describe(self) -> dict:

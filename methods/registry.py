@@ -5,6 +5,10 @@ from __future__ import annotations
 from methods.ar import AutoRegressive
 from methods.base import Method
 from methods.draft_model import DraftModel
+from methods.eagle import Eagle
+from methods.eagle3 import Eagle3
+from methods.medusa import Medusa
+from methods.mtp import MTP
 from methods.ngram import NGram
 
 __all__ = ["METHODS", "make_method"]
@@ -13,6 +17,10 @@ METHODS: dict[str, type[Method]] = {
     "ar": AutoRegressive,
     "ngram": NGram,
     "draft_model": DraftModel,
+    "eagle": Eagle,
+    "eagle3": Eagle3,
+    "mtp": MTP,
+    "medusa": Medusa,
 }
 
 

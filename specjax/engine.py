@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from methods.base import Method, ProposeContext, RuntimeInfo, VerifyResult
+from methods.base import Method, PrefillResult, ProposeContext, RuntimeInfo, VerifyResult
 from models.llama import init_kv_caches
 from specjax.batch import AttentionMetadata
 from specjax.config import EngineConfig
@@ -130,8 +130,12 @@ class Engine:
     need = max(pages_needed(n, self.config.page_size) for n in num_tokens)
     return bucket(need, self.config.pages_per_seq, minimum=4)
 
-  def _prefill(self, rows: list[RequestState], metrics: RunMetrics) -> None:
-    """Writes KV for every token but the pending last one (no sampling)."""
+  def _prefill(self, rows: list[RequestState], metrics: RunMetrics, method_state):
+    """Writes KV for every token but the pending last one (no sampling).
+
+    Methods that read target hidden states get them through ``observe_prefill``.
+    Returns the method state.
+    """
     cfg = self.config
     starts = [st.num_computed for st in rows]
     ends = [len(st.tokens) - 1 for st in rows]
@@ -147,15 +151,23 @@ class Engine:
     width = self._pages_bucket(rows, ends)
     meta = AttentionMetadata(page_table([st.pages for st in rows], batch, width), kv_lens, q_lens)
     t0 = time.perf_counter()
-    self.kv_caches, logits, _ = forward_step(
+    self.kv_caches, logits, hidden = forward_step(
         self.target.graphdef, self.target.params, self.kv_caches, tokens, meta,
-        np.maximum(q_lens - 1, 0)[:, None], implementation=cfg.attention_implementation,
+        np.maximum(q_lens - 1, 0)[:, None], hidden_layers=self.caps.target_hidden_layers,
+        implementation=cfg.attention_implementation,
     )
     jax.block_until_ready(logits)
     metrics.prefill_s += time.perf_counter() - t0
     metrics.num_prefill_tokens += int(q_lens.sum())
     for st, e in zip(rows, ends):
       st.num_computed = e
+    if self.caps.target_hidden_layers:
+      method_state = self.method.observe_prefill(method_state, PrefillResult(
+          request_ids=[st.request.request_id for st in rows],
+          starts=np.asarray(starts, np.int32), num_tokens=q_lens[: len(rows)].copy(),
+          target_hidden=hidden,
+      ))
+    return method_state
 
   def _budget(self, st: RequestState) -> int:
     sp = st.request.sampling
@@ -197,7 +209,7 @@ class Engine:
         continue
       need = [st for st in sched.running if st.num_computed < len(st.tokens) - 1]
       if need:
-        self._prefill(need, metrics)
+        method_state = self._prefill(need, metrics, method_state)
       method_state = self._decode_step(sched, method_state, metrics, start, seen_by_method)
     metrics.wall_s = time.perf_counter() - start
     c1, s1 = CompileMonitor.snapshot()

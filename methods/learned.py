@@ -1,0 +1,232 @@
+"""Shared machinery of the learned-head methods (EAGLE, EAGLE-3, MTP, Medusa).
+
+The method keeps, per request, the target features of the last ``window`` committed
+positions on the host (numpy). Feature ``f_p`` is the target hidden state at position
+``p`` (computed with token ``x_p`` as input), so after prefill of ``x_0 .. x_{m-2}`` the
+pending token ``x_{m-1}`` has no feature yet. A decode step runs the target over
+``[x_{m-1}, d_1 .. d_L]`` at positions ``m-1 .. m-1+L``; when ``e`` tokens are
+committed, the features of the first ``e`` of those rows become valid:
+
+  before: tokens x_0..x_4 (m = 5), features f_0..f_3, pending x_4
+  verify [x_4, d_1, d_2, d_3], 2 drafts accepted + bonus b -> e = 3 tokens committed
+  after:  tokens x_0..x_4 d_1 d_2 b, features f_0..f_3 + hidden rows 0..2 (= f_4..f_6)
+
+Each ``propose`` sends the window (right-aligned: slot ``W - 1`` is ``f_{m-2}`` paired
+with the pending token) to one jitted call that runs the head's ``draft``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from methods.base import Capabilities, Draft, Method, PrefillResult, VerifyResult
+from models.heads import HeadConfig, load_head, make_head
+from specjax.sampling import STREAM_DRAFT, position_keys, processed_probs, sample_from_probs
+
+__all__ = ["LearnedHeadMethod", "head_draft_step"]
+
+
+@functools.partial(
+    jax.jit, static_argnames=("head_graphdef", "target_graphdef", "num_steps", "all_greedy"))
+def head_draft_step(head_graphdef, head_state, target_graphdef, target_params, tokens, feats,
+                    num_valid, positions, temperature, top_k, top_p, keys, draft_positions, *,
+                    num_steps, all_greedy):
+  """Runs ``head.draft`` for the padded batch.
+
+  Args:
+    tokens: ``i32[B, W]`` token window (slot s: ``x_{p+1}`` for feature slot s).
+    feats: ``f32[B, W, F]`` feature window, right-aligned.
+    num_valid: ``i32[B]`` real slots per row (>= 1; padding rows use 1).
+    positions: ``i32[B]`` position of the last feature slot.
+    temperature, top_k, top_p, keys: the batch's sampling arrays.
+    draft_positions: ``i32[B]`` absolute position of the first draft token (keys).
+    num_steps: draft length (static).
+    all_greedy: static; True skips draft probabilities.
+
+  Returns:
+    ``(tokens i32[B, num_steps], probs f32[B, num_steps, V] or None)``.
+  """
+  head = nnx.merge(head_graphdef, head_state)
+  target = nnx.merge(target_graphdef, target_params)
+
+  def pick(logits, j):
+    if all_greedy:
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    probs = processed_probs(logits[:, None], temperature, top_k, top_p)[:, 0]
+    tok = sample_from_probs(probs, position_keys(keys, draft_positions + j, STREAM_DRAFT))
+    return tok, probs
+
+  out, probs = head.draft(target, tokens, feats, num_valid, positions, num_steps, pick)
+  return out, probs
+
+
+@dataclasses.dataclass
+class _State:
+  target: object  # SplitModel
+  head_graphdef: object
+  head_state: object
+  window: int
+  feature_dim: int
+  feats: dict  # request id -> f32[n <= window, F], features of positions num_feats - n ..
+  num_feats: dict  # request id -> positions with features (= committed tokens - 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnedHeadMethod(Method):
+  """Chain drafting with a learned head (subclasses set ``kind``).
+
+  Attributes:
+    k: draft length (MTP and Medusa: at most the head's ``num_modules``).
+    head_path: a head directory written by ``models.heads.save_head`` (or by
+      ``methods.training``). None builds a randomly initialised head (tests, smoke runs).
+    feature_layers: target ``hidden_states`` indices of a random head; None = the
+      kind's default for the target (EAGLE-3: low/mid/high, others: the final state).
+      Must match the head's when ``head_path`` is given.
+    window: attention window of a random head.
+    seed: initialisation seed of a random head.
+  """
+
+  kind: ClassVar[str]
+  k: int = 4
+  head_path: str | None = None
+  feature_layers: tuple[int, ...] | None = None
+  window: int = 64
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.k < 1:
+      raise ValueError(f"num_speculative_tokens k={self.k} must be >= 1")
+    if self.window < 1:
+      raise ValueError(f"window={self.window} must be >= 1")
+    if self.feature_layers is not None:
+      object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+    if self.head_path is not None:
+      if not os.path.isdir(self.head_path):
+        raise ValueError(f"head_path={self.head_path!r} must be a head directory")
+      cfg = self._saved_config()
+      if cfg.kind != self.kind:
+        raise ValueError(f"head at head_path={self.head_path!r} has kind={cfg.kind!r}, "
+                         f"method {self.name!r} needs {self.kind!r}")
+      if self.feature_layers is not None and self.feature_layers != cfg.feature_layers:
+        raise ValueError(f"feature_layers={self.feature_layers} must equal the head's "
+                         f"{cfg.feature_layers}")
+    elif self.feature_layers is None:
+      raise ValueError(f"method {self.name!r} needs head_path (a trained head) or "
+                       "feature_layers (a random head) to know which target layers to read")
+
+  def _saved_config(self) -> HeadConfig:
+    with open(os.path.join(self.head_path, "head_config.json")) as f:
+      return HeadConfig.from_json(f.read())
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    return self.k
+
+  def capabilities(self) -> Capabilities:
+    layers = (self._saved_config().feature_layers if self.head_path is not None
+              else self.feature_layers)
+    return Capabilities(runs_on="device", emits_draft_probs=True, target_hidden_layers=layers)
+
+  def head_config(self, target_config) -> HeadConfig:
+    """Config of the random head built when ``head_path`` is None."""
+    extra = {"num_modules": self.k} if self.kind in ("mtp", "medusa") else {}
+    return HeadConfig.for_target(self.kind, target_config, feature_layers=self.feature_layers,
+                                 window=self.window, **extra)
+
+  def build_head(self, runtime) -> nnx.Module:
+    """The head module (loaded, or random). Tests override this to plug in oracles.
+
+    Raises:
+      ValueError: the head does not fit the target, or ``k`` exceeds its modules.
+    """
+    if self.head_path is not None:
+      head = load_head(self.head_path, runtime.target.config)
+    else:
+      head = make_head(self.head_config(runtime.target.config), self.seed)
+    if head.cfg.kind in ("mtp", "medusa") and self.k > head.cfg.num_modules:
+      raise ValueError(f"k={self.k} must be <= the head's num_modules={head.cfg.num_modules}")
+    return head
+
+  def init_state(self, runtime) -> _State:
+    head = self.build_head(runtime)
+    graphdef, state = nnx.split(head)
+    return _State(runtime.target, graphdef, state, head.cfg.window, head.cfg.feature_dim,
+                  {}, {})
+
+  # ---------------------------------------------------------------- features
+  @staticmethod
+  def _host_features(hidden: tuple) -> np.ndarray:
+    """Tuple of ``[B, T, D]`` -> ``f32[B, T, F]`` (concatenated in layer order)."""
+    return np.asarray(jnp.concatenate(hidden, axis=-1) if len(hidden) > 1 else hidden[0],
+                      np.float32)
+
+  def _append(self, state: _State, rid, rows: np.ndarray) -> None:
+    old = state.feats.get(rid)
+    new = rows if old is None else np.concatenate([old, rows], 0)
+    state.feats[rid] = new[-state.window:]
+    state.num_feats[rid] = state.num_feats.get(rid, 0) + len(rows)
+
+  def observe_prefill(self, state: _State, result: PrefillResult) -> _State:
+    feats = self._host_features(result.target_hidden)
+    for b, rid in enumerate(result.request_ids):
+      start, n = int(result.starts[b]), int(result.num_tokens[b])
+      if start == 0:  # new or recomputed after preemption
+        state.feats.pop(rid, None)
+        state.num_feats[rid] = 0
+      assert state.num_feats.get(rid, 0) == start, (rid, state.num_feats.get(rid), start)
+      self._append(state, rid, feats[b, :n])
+    return state
+
+  def observe(self, state: _State, result: VerifyResult) -> _State:
+    feats = self._host_features(result.target_hidden)
+    for b, rid in enumerate(result.request_ids):
+      if rid in result.finished:
+        state.feats.pop(rid, None)
+        state.num_feats.pop(rid, None)
+        continue
+      self._append(state, rid, feats[b, : len(result.emitted[b])])
+    return state
+
+  # ---------------------------------------------------------------- drafting
+  def propose(self, state: _State, ctx):
+    rows = len(ctx.request_ids)
+    batch = ctx.page_indices.shape[0]
+    width, fdim = state.window, state.feature_dim
+    tokens = np.zeros((batch, width), np.int32)
+    feats = np.zeros((batch, width, fdim), np.float32)
+    num_valid = np.ones(batch, np.int32)
+    positions = np.zeros(batch, np.int32)
+    draft_positions = np.zeros(batch, np.int32)
+    budgets = np.asarray(ctx.budgets, np.int32).copy()
+    for i, (rid, seq) in enumerate(zip(ctx.request_ids, ctx.token_ids)):
+      m = len(seq)
+      have = state.num_feats.get(rid, 0)
+      assert have == m - 1, (rid, have, m)
+      if have == 0:  # a one-token prompt: no feature yet, decode one token plainly
+        budgets[i] = 0
+        continue
+      f = state.feats[rid]
+      n = len(f)
+      # Slot s pairs feature position p = m - 1 - n + s' with token x_{p+1}.
+      feats[i, width - n:] = f
+      tokens[i, width - n:] = seq[m - n:]
+      num_valid[i], positions[i], draft_positions[i] = n, m - 2, m
+    all_greedy = bool(np.all(ctx.temperature[:rows] == 0))
+    target = state.target
+    out, probs = head_draft_step(
+        state.head_graphdef, state.head_state, target.graphdef, target.params, tokens, feats,
+        num_valid, positions, ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys,
+        draft_positions, num_steps=self.k, all_greedy=all_greedy)
+    out = np.array(out)[:rows]
+    num = np.minimum(budgets, self.k).astype(np.int32)
+    for i in range(rows):
+      out[i, num[i]:] = -1
+    return state, Draft(out, num, probs=probs)

@@ -1,0 +1,1 @@
+"""Draft-head training: data (``data``), the optax loop (``trainer``), the job (``pipeline``)."""
