@@ -91,7 +91,7 @@ class EvalConfig:
     output_dir: where ``results.csv``, ``outputs.jsonl`` and ``config.json`` go;
       None writes nothing.
     max_model_len: tokens per sequence; None = longest prompt + ``max_new_tokens``
-      (rounded up to a page).
+      (rounded up to a page, at most the target's ``max_position_embeddings``).
     page_size: KV positions per page.
     attention_implementation: paged-attention implementation(s).
     request_rate: requests/s of Poisson arrivals (online mode); None = offline (all
@@ -212,11 +212,25 @@ def _make_requests(cfg: EvalConfig, prompt_ids: list[tuple[int, ...]], prompts) 
           for p, ids, t in zip(prompts, prompt_ids, arrivals)]
 
 
-def _resolve_max_model_len(cfg: EvalConfig, prompts, prompt_ids) -> int:
+def _resolve_max_model_len(cfg: EvalConfig, prompts, prompt_ids, context: int) -> int:
+  """``cfg.max_model_len`` checked against the prompts, or the fitted default.
+
+  ``context`` is the target's ``max_position_embeddings``: no sequence may exceed it.
+  """
   longest = max(len(ids) for ids in prompt_ids)
   if cfg.max_model_len is None:
     need = longest + cfg.max_new_tokens
-    return -(-need // cfg.page_size) * cfg.page_size
+    if need > context:
+      p = prompts[max(range(len(prompts)), key=lambda i: len(prompt_ids[i]))]
+      raise ValueError(
+          f"prompt {p.id!r} has {longest} tokens: with max_new_tokens={cfg.max_new_tokens} it "
+          f"needs {need} positions, more than the target's context ({context}); choose "
+          "other prompts (seed, categories) or fewer new tokens"
+      )
+    return min(-(-need // cfg.page_size) * cfg.page_size, context)
+  if cfg.max_model_len > context:
+    raise ValueError(f"max_model_len={cfg.max_model_len} must be <= the target's context "
+                     f"({context} positions)")
   for p, ids in zip(prompts, prompt_ids):
     if len(ids) >= cfg.max_model_len:
       raise ValueError(
@@ -242,7 +256,7 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   Raises:
     ValueError: unknown method, dataset, category or attention implementation; a
       method that needs ``draft`` without one; draft/target vocabulary mismatch; a
-      prompt that does not fit ``max_model_len``.
+      prompt that does not fit ``max_model_len`` or the target's context.
   """
   t_start = time.perf_counter()
   k = cfg.num_speculative_tokens
@@ -262,7 +276,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
     raise ValueError(f"draft={cfg.draft!r} vocab_size={draft.config.vocab_size} must equal "
                      f"target={cfg.target!r} vocab_size={target.config.vocab_size}")
   prompt_ids = tokenize_prompts(prompts, tokenizer, chat_template=cfg.chat_template)
-  max_model_len = _resolve_max_model_len(cfg, prompts, prompt_ids)
+  max_model_len = _resolve_max_model_len(cfg, prompts, prompt_ids,
+                                         target.config.max_position_embeddings)
   requests = _make_requests(cfg, prompt_ids, prompts)
   target_split = split_model(target.model)
   draft_split = split_model(draft.model) if draft is not None else None

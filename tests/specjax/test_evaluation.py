@@ -144,6 +144,12 @@ def test_bad_models_and_lengths(tiny_models):
   with pytest.raises(ValueError, match="max_model_len=8 must be larger"):
     run_evaluation(EvalConfig(target="tiny-target", num_prompts=2, max_model_len=8),
                    progress=False)
+  with pytest.raises(ValueError, match="max_model_len=512 must be <= the target's context"):
+    run_evaluation(EvalConfig(target="tiny-target", num_prompts=2, max_model_len=512),
+                   progress=False)
+  with pytest.raises(ValueError, match="more than the target's context"):  # tiny config: 256 positions
+    run_evaluation(EvalConfig(target="tiny-target", num_prompts=2, max_new_tokens=250),
+                   progress=False)
   with pytest.raises(ValueError, match="'missing' is not a test model"):
     run_evaluation(EvalConfig(target="missing"), progress=False)
 
