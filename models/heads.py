@@ -31,7 +31,11 @@ over a dense *sliding window* of the last ``window`` positions, recomputed from 
 stored target features at every draft call (no head KV cache to keep in sync with
 rollback). Training uses the same banded causal mask, so the head sees the same context
 in training and in drafting. Within one draft call the window's K/V are projected once
-and each draft step appends one K/V slot (a dense, call-local cache).
+and each draft step appends one K/V slot (a dense, call-local cache). For EAGLE the
+match is exact at any length (tested). For MTP it is exact while the sequence fits the
+window; beyond it, module j > 1 at the window's left edge sees lower-module states that
+were themselves computed from a truncated window (training computes them with full
+windows), a small approximation near slot 0 that does not affect losslessness.
 
 Glossary: B batch, T positions (training), W window slots, S key slots, N/K/H attention
 heads / KV heads / head dim, D model dim, F feature dim (``len(feature_layers) * D``),
@@ -65,6 +69,7 @@ __all__ = [
     "default_eagle3_layers",
     "load_head",
     "make_head",
+    "num_params",
     "save_head",
     "validate_vocab_map",
 ]

@@ -160,11 +160,11 @@ def _slow_unless(fast, values):
   return [v if v in fast else pytest.param(v, marks=pytest.mark.slow) for v in values]
 
 
-@pytest.mark.parametrize("kind", _slow_unless(("eagle", "medusa"), KINDS))
+@pytest.mark.parametrize("kind", _slow_unless(("eagle",), KINDS))
 def test_train_step_runs(target, kind):
   head = _head(kind, target.config, draft_vocab_size=40 if kind == "eagle3" else None)
-  cfg = TrainConfig(kind=kind, steps=10, learning_rate=1e-2, warmup_steps=1, num_modules=K,
-                    depth=1)  # deeper unrolls: the resume test (EAGLE-3, depth 2)
+  # Default depths: EAGLE-3 unrolls 3 steps (training-time test), MTP/Medusa train all K.
+  cfg = TrainConfig(kind=kind, steps=10, learning_rate=1e-2, warmup_steps=1, num_modules=K)
   graphdef, params, rest = nnx.split(head, nnx.Param, ...)
   opt = make_optimizer(cfg)
   opt_state = opt.init(params)
@@ -262,7 +262,7 @@ def test_greedy_sd_equals_ar(target, ar_outputs, kind, workload):
 
 @pytest.mark.parametrize("kind", _slow_unless(("medusa",), KINDS))
 def test_stochastic_path_runs(target, kind):
-  requests = _requests(13, 3, temperature=1.0)
+  requests = _requests(13, 2, temperature=1.0)
   outputs, metrics = Engine(target, _method(kind), ENGINE).generate(requests)
   for o, r in zip(outputs, requests):
     assert len(o.output_token_ids) == r.sampling.max_tokens
@@ -293,10 +293,10 @@ def test_batch_indices_are_a_function_of_step():
 def test_resume_reproduces_loss_curve_and_head_roundtrips(target, tmp_path):
   data = _tiny_data()
   train_data, held = data.split(2)
-  cfg = TrainConfig(kind="eagle3", steps=4, batch_size=2, learning_rate=1e-2, warmup_steps=1,
-                    depth=1, window=16, feature_layers=LAYERS["eagle3"], draft_vocab_size=48,
-                    eval_every=2, checkpoint_every=1, progress=False,
-                    output_dir=str(tmp_path / "full"))
+  # Medusa (cheapest compile; the mechanics are kind-independent), 2 heads.
+  cfg = TrainConfig(kind="medusa", steps=4, batch_size=2, learning_rate=1e-2, warmup_steps=1,
+                    num_modules=2, feature_layers=LAYERS["medusa"], eval_every=2,
+                    checkpoint_every=1, progress=False, output_dir=str(tmp_path / "full"))
   full = train(cfg, target, train_data, held)
   cfg2 = dataclasses.replace(cfg, output_dir=str(tmp_path / "resumed"))
   part = train(cfg2, target, train_data, held, stop_after=2)
@@ -311,11 +311,24 @@ def test_resume_reproduces_loss_curve_and_head_roundtrips(target, tmp_path):
   loaded = load_head(full.head_dir, target.config)
   for a, b in zip(p_full, jax.tree.leaves(nnx.state(loaded, nnx.Param))):
     assert np.array_equal(a, b)
-  np.testing.assert_array_equal(loaded.d2t[...], full.head.d2t[...])
+  method = make_method("medusa", 2, head_path=full.head_dir)
+  assert method.capabilities().target_hidden_layers == LAYERS["medusa"]
+
+
+@pytest.mark.slow
+def test_eagle3_training_exports_vocab_map(target, tmp_path):
+  data = _tiny_data()
+  train_data, held = data.split(2)
+  cfg = TrainConfig(kind="eagle3", steps=2, batch_size=2, depth=2, window=16,
+                    feature_layers=LAYERS["eagle3"], draft_vocab_size=48, progress=False,
+                    output_dir=str(tmp_path / "e3"))
+  result = train(cfg, target, train_data, held)
+  assert np.all(np.isfinite(result.losses))
+  loaded = load_head(result.head_dir, target.config)
   np.testing.assert_array_equal(loaded.d2t[...], draft_vocabulary(train_data, 48, VOCAB))
-  # The trained head runs under the engine through head_path.
-  method = make_method("eagle3", K, head_path=full.head_dir)
-  assert method.capabilities().target_hidden_layers == LAYERS["eagle3"]
+  outputs, _ = Engine(target, make_method("eagle3", K, head_path=result.head_dir),
+                      ENGINE).generate(_requests(12, 3))
+  assert all(o.output_token_ids for o in outputs)
 
 
 def test_vocab_map_missing_or_inconsistent_is_a_load_error(target, tmp_path):
@@ -353,3 +366,14 @@ def test_method_config_errors(target, tmp_path):
   engine = Engine(target, make_method("mtp", K + 1, head_path=path), ENGINE)
   with pytest.raises(ValueError, match="num_modules"):
     engine.generate(_requests(1, 1))
+
+
+@pytest.mark.slow
+def test_preemption_keeps_outputs(target, ar_outputs):
+  """A pool too small for the batch preempts (recompute): features are rebuilt from the
+  re-prefill and outputs do not change."""
+  small = dataclasses.replace(ENGINE, num_pages=6)
+  outputs, metrics = Engine(target, _method("eagle3"), small).generate(
+      _requests(*WORKLOADS["batch3"]))
+  assert metrics.num_preemptions > 0
+  assert [o.output_token_ids for o in outputs] == ar_outputs("batch3")
