@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from specjax.evaluation import EvalConfig, default_output_dir, run_evaluation
+from specjax.evaluation import MATMUL_PRECISIONS, EvalConfig, default_output_dir, run_evaluation
 from specjax.workloads import DATASETS
 
 _TARGET = flags.DEFINE_string(
@@ -45,6 +45,10 @@ _WARMUP = flags.DEFINE_boolean(
     "warmup", True, "Run the workload once untimed per engine first (compiles outside timing).")
 _CHAT = flags.DEFINE_boolean(
     "chat_template", True, "Apply the tokenizer's chat template when it has one.")
+_PRECISION = flags.DEFINE_enum(
+    "matmul_precision", None, list(MATMUL_PRECISIONS),
+    "jax.default_matmul_precision for every pass (unset = JAX's default); 'highest' gives "
+    "full-f32 matmuls on GPUs, for a token-exact lossless check.")
 
 
 def config_from_flags() -> EvalConfig:
@@ -78,6 +82,7 @@ def config_from_flags() -> EvalConfig:
       dtype=_DTYPE.value,
       warmup=_WARMUP.value,
       chat_template=_CHAT.value,
+      matmul_precision=_PRECISION.value,
   )
 
 

@@ -26,6 +26,7 @@ Definitions (per row; see ``specjax.metrics``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -48,6 +49,7 @@ from specjax.steps import split_model
 from specjax.workloads import load_prompts, poisson_arrivals, tokenize_prompts
 
 __all__ = [
+    "MATMUL_PRECISIONS",
     "SUMMARY_COLUMNS",
     "EvalConfig",
     "default_output_dir",
@@ -56,6 +58,9 @@ __all__ = [
     "run_evaluation",
     "summary_table",
 ]
+
+# Values ``jax.default_matmul_precision`` accepts.
+MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
 
 # Printed summary: result column -> header.
 SUMMARY_COLUMNS = {
@@ -99,6 +104,11 @@ class EvalConfig:
     dtype: "float32" or "bfloat16" for the models.
     warmup: run the whole workload once untimed per engine before measuring.
     chat_template: apply the tokenizer's chat template when it has one.
+    matmul_precision: None keeps JAX's default; else one of ``MATMUL_PRECISIONS``,
+      applied with ``jax.default_matmul_precision`` around every pass. "highest" makes
+      f32 matmuls full f32 on GPUs (whose f32 default may round inputs, so verify steps
+      (T = k + 1) and AR steps (T = 1) can round differently and flip near-tied greedy
+      tokens); CPUs compute f32 in f32 either way.
   """
 
   target: str = "smollm2-135m"
@@ -121,6 +131,7 @@ class EvalConfig:
   dtype: str = "float32"
   warmup: bool = True
   chat_template: bool = True
+  matmul_precision: str | None = None
 
   def __post_init__(self):
     methods = tuple(dict.fromkeys(["ar", *self.methods]))
@@ -145,6 +156,9 @@ class EvalConfig:
       raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
+    if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
+      raise ValueError(f"matmul_precision={self.matmul_precision!r} must be None or one of "
+                       f"{MATMUL_PRECISIONS}")
 
 
 def load_model(name_or_path: str, dtype: str):
@@ -301,15 +315,17 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
                                    if isinstance(cfg.attention_implementation, tuple)
                                    else cfg.attention_implementation),
       "jax_version": jax.__version__,
+      "matmul_precision": cfg.matmul_precision or "default",
   }
   greedy = cfg.temperature == 0
   passes = len(cfg.batch_sizes) * len(methods) * (cfg.repeats + int(cfg.warmup))
   budget = len(requests) * cfg.max_new_tokens
-  bar = _Progress(passes * budget, progress)
   rows: list[dict] = []
   output_records: list[dict] = []
   warmup_s = measure_s = 0.0
-  try:
+  precision = (jax.default_matmul_precision(cfg.matmul_precision) if cfg.matmul_precision
+               else contextlib.nullcontext())
+  with precision, contextlib.closing(_Progress(passes * budget, progress)) as bar:
     for batch in cfg.batch_sizes:
       engine_cfg = EngineConfig(
           max_num_seqs=batch, max_model_len=max_model_len, page_size=cfg.page_size,
@@ -346,8 +362,6 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
               for o, p in zip(outs, prompts)
           )
       del engines
-  finally:
-    bar.close()
   df = _order_columns(pd.DataFrame(rows), k)
   total_s = time.perf_counter() - t_start
   if cfg.output_dir is not None:

@@ -110,9 +110,10 @@ def test_sampling_online_repeats(tiny_models):
   cfg = EvalConfig(
       target="tiny-target", methods=("ngram",), dataset="gsm8k", num_prompts=3,
       batch_sizes=(3,), max_new_tokens=6, temperature=0.8, repeats=2, page_size=8,
-      request_rate=200.0, warmup=False,
+      request_rate=200.0, warmup=False, matmul_precision="highest",
   )
   df = run_evaluation(cfg, progress=False, verbose=False)
+  assert (df.matmul_precision == "highest").all()
   assert len(df) == 2 * 2 and sorted(set(df.repeat)) == [0, 1]
   assert df.lossless.isna().all()  # no token-for-token check when sampling
   assert (df.request_rate == 200.0).all()
@@ -135,6 +136,8 @@ def test_bad_values_raise_before_loading(tiny_models):
     EvalConfig(temperature=-1.0)
   with pytest.raises(ValueError, match="request_rate=0"):
     EvalConfig(request_rate=0.0)
+  with pytest.raises(ValueError, match="matmul_precision='exact'"):
+    EvalConfig(matmul_precision="exact")
 
 
 def test_bad_models_and_lengths(tiny_models):
@@ -166,13 +169,15 @@ def test_binary_flags_to_config():
   with flagsaver.flagsaver():
     flags.FLAGS.unparse_flags()
     flags.FLAGS(["evaluate", "--methods=ngram,draft_model", "--draft=none",
-                 "--batch_sizes=1,2", "--output_dir=/tmp/x", "--categories=qa,rag"])
+                 "--batch_sizes=1,2", "--output_dir=/tmp/x", "--categories=qa,rag",
+                 "--matmul_precision=highest"])
     cfg = evaluate.config_from_flags()
   assert cfg.methods == ("ar", "ngram", "draft_model")
   assert cfg.draft is None and cfg.batch_sizes == (1, 2)
   assert cfg.categories == ("qa", "rag") and cfg.output_dir == "/tmp/x"
   assert cfg.target == "smollm2-135m" and cfg.num_prompts == 24 and cfg.max_new_tokens == 128
   assert cfg.temperature == 0 and cfg.request_rate is None
+  assert cfg.matmul_precision == "highest" and cfg.warmup
 
 
 @pytest.mark.realmodel
