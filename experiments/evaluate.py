@@ -10,6 +10,8 @@ always runs. Examples:
 
 from __future__ import annotations
 
+import json
+
 from absl import app, flags
 
 from specjax.evaluation import MATMUL_PRECISIONS, EvalConfig, default_output_dir, run_evaluation
@@ -20,6 +22,10 @@ _TARGET = flags.DEFINE_string(
 _DRAFT = flags.DEFINE_string(
     "draft", None, "Draft model for draft_model (same tokenizer as the target); none = no draft.")
 _METHODS = flags.DEFINE_list("methods", ["ar", "ngram"], "SD methods; 'ar' always runs.")
+_METHOD_OPTION = flags.DEFINE_multi_string(
+    "method_option", [],
+    "METHOD.OPTION=VALUE for a method's config (repeatable), e.g. eagle.head_path=heads/e1 or "
+    "ngram.n_max=3; VALUE is read as JSON when it parses (3, [30] as a tuple, true), else as a string.")
 _DATASET = flags.DEFINE_enum("dataset", "spec_bench", list(DATASETS), "Prompt set.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 24, "Prompts, balanced over categories.")
 _CATEGORIES = flags.DEFINE_list("categories", None, "Subset of the dataset's categories.")
@@ -51,6 +57,28 @@ _PRECISION = flags.DEFINE_enum(
     "full-f32 matmuls on GPUs, for a token-exact lossless check.")
 
 
+def parse_method_options(entries: list[str]) -> dict[str, dict[str, object]]:
+  """``["eagle.head_path=/h", "ngram.n_max=3"]`` -> ``{"eagle": {"head_path": "/h"}, ...}``.
+
+  Raises:
+    ValueError: an entry not of the form ``METHOD.OPTION=VALUE``.
+  """
+  out: dict[str, dict[str, object]] = {}
+  for entry in entries:
+    key, sep, raw = entry.partition("=")
+    method, dot, option = key.partition(".")
+    if not (sep and dot and method and option):
+      raise ValueError(f"--method_option={entry!r} must look like METHOD.OPTION=VALUE")
+    try:
+      value = json.loads(raw)
+    except json.JSONDecodeError:
+      value = raw
+    if isinstance(value, list):  # method configs are hashable (static jit arguments)
+      value = tuple(value)
+    out.setdefault(method, {})[option] = value
+  return out
+
+
 def config_from_flags() -> EvalConfig:
   """The ``EvalConfig`` the parsed flags describe."""
   draft = _DRAFT.value
@@ -65,6 +93,7 @@ def config_from_flags() -> EvalConfig:
       target=_TARGET.value,
       draft=draft,
       methods=tuple(_METHODS.value),
+      method_options=parse_method_options(_METHOD_OPTION.value),
       dataset=_DATASET.value,
       num_prompts=_NUM_PROMPTS.value,
       categories=tuple(_CATEGORIES.value) if _CATEGORIES.value else None,

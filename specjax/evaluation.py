@@ -33,7 +33,8 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -84,6 +85,8 @@ class EvalConfig:
     target: target model: a ``models.zoo`` name, a ``.gguf`` file or an HF directory.
     draft: draft model for methods that need one (same tokenizer), or None.
     methods: method names (``methods.registry``); ``"ar"`` is added first if absent.
+    method_options: per method name, keyword options for its config, e.g.
+      ``{"eagle": {"head_path": "heads/eagle"}}`` (passed to ``make_method``).
     dataset: a ``specjax.workloads.DATASETS`` name.
     num_prompts: prompts, balanced over the categories.
     categories: subset of the dataset's categories; None = all.
@@ -114,6 +117,7 @@ class EvalConfig:
   target: str = "smollm2-135m"
   draft: str | None = None
   methods: tuple[str, ...] = ("ar", "ngram")
+  method_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   dataset: str = "spec_bench"
   num_prompts: int = 24
   categories: tuple[str, ...] | None = None
@@ -136,6 +140,10 @@ class EvalConfig:
   def __post_init__(self):
     methods = tuple(dict.fromkeys(["ar", *self.methods]))
     object.__setattr__(self, "methods", methods)
+    unused = sorted(set(self.method_options) - set(methods))
+    if unused:
+      raise ValueError(f"method_options names methods {unused} that are not in "
+                       f"methods={list(methods)}")
     object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
     if self.categories is not None:
       object.__setattr__(self, "categories", tuple(self.categories) or None)
@@ -159,6 +167,14 @@ class EvalConfig:
     if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
       raise ValueError(f"matmul_precision={self.matmul_precision!r} must be None or one of "
                        f"{MATMUL_PRECISIONS}")
+
+
+def _make_method(name: str, k: int, options: Mapping[str, Any]):
+  try:
+    return make_method(name, k, **options)
+  except TypeError as e:  # an option the method's config does not have
+    raise ValueError(f"method_options for {name!r} ({dict(options)}) are not all options "
+                     f"of that method: {e}") from e
 
 
 def load_model(name_or_path: str, dtype: str):
@@ -274,7 +290,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   """
   t_start = time.perf_counter()
   k = cfg.num_speculative_tokens
-  methods = {name: make_method(name, k) for name in cfg.methods}
+  methods = {name: _make_method(name, k, cfg.method_options.get(name, {}))
+             for name in cfg.methods}
   needs_draft = [n for n, m in methods.items() if m.capabilities().needs_draft_model]
   if needs_draft and cfg.draft is None:
     raise ValueError(f"methods {needs_draft} need a draft model, but draft=None")

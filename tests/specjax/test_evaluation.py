@@ -64,7 +64,7 @@ def tiny_models(monkeypatch):
 def test_end_to_end_greedy_lossless(tiny_models, tmp_path, capsys):
   cfg = EvalConfig(
       target="tiny-target", draft="tiny-draft", methods=("ngram", "draft_model"),
-      dataset="spec_bench", num_prompts=6, batch_sizes=(1, 3), num_speculative_tokens=3,
+      method_options={"ngram": {"n_min": 1}}, dataset="spec_bench", num_prompts=6, batch_sizes=(1, 3), num_speculative_tokens=3,
       max_new_tokens=10, page_size=8, output_dir=str(tmp_path),
   )
   with jax.default_matmul_precision("highest"):
@@ -92,7 +92,8 @@ def test_end_to_end_greedy_lossless(tiny_models, tmp_path, capsys):
   assert (df[df.method == "draft_model"].tau > 1.0).all()
   assert set(df[df.method == "draft_model"].draft) == {"tiny-draft"}
   assert df[df.method == "ngram"].draft.isna().all()
-  assert json.loads(sd.method_config.iloc[0])["k"] == 3
+  ngram_config = json.loads(df[df.method == "ngram"].method_config.iloc[0])
+  assert ngram_config["k"] == 3 and ngram_config["n_min"] == 1
 
   written = pd.read_csv(tmp_path / "results.csv")
   assert len(written) == len(df)
@@ -138,6 +139,11 @@ def test_bad_values_raise_before_loading(tiny_models):
     EvalConfig(request_rate=0.0)
   with pytest.raises(ValueError, match="matmul_precision='exact'"):
     EvalConfig(matmul_precision="exact")
+  with pytest.raises(ValueError, match=r"names methods \['eagle'\] that are not in"):
+    EvalConfig(methods=("ngram",), method_options={"eagle": {"head_path": "x"}})
+  with pytest.raises(ValueError, match="method_options for 'ngram'.*not all options"):
+    run_evaluation(EvalConfig(target="tiny-target", method_options={"ngram": {"nope": 1}}),
+                   progress=False)
 
 
 def test_bad_models_and_lengths(tiny_models):
@@ -170,7 +176,8 @@ def test_binary_flags_to_config():
     flags.FLAGS.unparse_flags()
     flags.FLAGS(["evaluate", "--methods=ngram,draft_model", "--draft=none",
                  "--batch_sizes=1,2", "--output_dir=/tmp/x", "--categories=qa,rag",
-                 "--matmul_precision=highest"])
+                 "--matmul_precision=highest", "--method_option=ngram.n_max=3",
+                 "--method_option=draft_model.note=[1, 2]"])
     cfg = evaluate.config_from_flags()
   assert cfg.methods == ("ar", "ngram", "draft_model")
   assert cfg.draft is None and cfg.batch_sizes == (1, 2)
@@ -178,6 +185,9 @@ def test_binary_flags_to_config():
   assert cfg.target == "smollm2-135m" and cfg.num_prompts == 24 and cfg.max_new_tokens == 128
   assert cfg.temperature == 0 and cfg.request_rate is None
   assert cfg.matmul_precision == "highest" and cfg.warmup
+  assert cfg.method_options == {"ngram": {"n_max": 3}, "draft_model": {"note": (1, 2)}}
+  with pytest.raises(ValueError, match="METHOD.OPTION=VALUE"):
+    evaluate.parse_method_options(["n_max=3"])
 
 
 @pytest.mark.realmodel
