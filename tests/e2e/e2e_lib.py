@@ -1,0 +1,268 @@
+"""Shared pieces of the engine tests: tiny models, an uncached greedy reference, a
+scripted drafter, count simulators and the counter checks.
+
+Compile time dominates these tests, so every engine test uses the same target and
+draft graph (same ``ModelConfig``: the draft is the target with its layer weights
+perturbed) and the same ``ENGINE_CONFIG``: one KV pool shape, a page-table width that
+is always 4 pages (``max_model_len`` 32 / ``page_size`` 8), one prefill bucket (32)
+and chain length ``K`` = 4. The jitted steps are then compiled once per batch bucket
+(1, 2, 4, 8) and shared by every engine of the session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import string
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from methods.base import Draft, Method
+from models.config import ModelConfig
+from models.llama import Transformer, init_kv_caches
+from specjax.batch import AttentionMetadata
+from specjax.config import EngineConfig, SamplingParams
+from specjax.request import Request
+from specjax.steps import SplitModel, split_model
+
+__all__ = [
+    "ALPHABET", "ENGINE_CONFIG", "K", "MAX_MODEL_LEN", "PAGE_SIZE", "ScriptedDrafter", "VOCAB",
+    "build_model", "check_counters", "decode", "expected_counts", "full_logits",
+    "greedy_reference", "make_requests", "model_config", "scripted_drafter",
+]
+
+VOCAB = 48
+K = 4
+MAX_MODEL_LEN = 32
+PAGE_SIZE = 8
+# 16 pages: 8 sequences of up to 16 positions fit (no preemption); longer ones preempt.
+ENGINE_CONFIG = EngineConfig(max_num_seqs=8, max_model_len=MAX_MODEL_LEN, page_size=PAGE_SIZE,
+                             num_pages=16, min_prefill_bucket=32)
+ALPHABET = (string.ascii_letters + string.digits)[:VOCAB]  # one distinct char per token
+
+
+def decode(ids) -> str:
+  """Token ids -> text, one character per token (so stop strings map to token runs)."""
+  return "".join(ALPHABET[int(i)] for i in ids)
+
+
+def model_config(**overrides) -> ModelConfig:
+  """2-layer Llama config, V=48, D=16, N=2, K=1, H=8, untied head."""
+  base = dict(family="llama", vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+              num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=False)
+  return ModelConfig(**{**base, **overrides})
+
+
+# Attention output and LM head scaled up: with plain 1/sqrt(fan_in) weights the tiny
+# model falls into a one-token loop; these give varied, context-dependent outputs.
+_GAIN = {"o": 3.0, "lm_head": 2.0}
+
+
+def _fan_in(cfg: ModelConfig, name: str) -> int:
+  return {"o": cfg.num_heads * cfg.head_dim, "down": cfg.intermediate_size}.get(
+      name, cfg.hidden_size)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, perturb: float = 0.0) -> SplitModel:
+  """A split ``Transformer`` with O(1)-scaled random weights (numpy init: no compiles).
+
+  Matrices are ``N(0, gain^2 / fan_in)``, embeddings ``N(0, 1)``, norm scales
+  ``1 + N(0, 0.01)``, biases 0. ``perturb`` > 0 adds ``perturb``-scaled noise to every
+  decoder-layer matrix, so the same ``seed`` gives a draft that agrees with the target
+  only partly (and has the same graph, so it shares the target's compiled steps).
+  Written against parameter names only, so it does not depend on the layer layout.
+  """
+  model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+  rng, noise_rng = np.random.default_rng(seed), np.random.default_rng(10_000 + seed)
+  new = {}
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    shape, dtype = var.get_value().shape, var.get_value().dtype
+    name = str(path[-1])
+    z = rng.standard_normal(shape)
+    if name == "embed":
+      value = z
+    elif name.endswith("norm"):
+      value = 1.0 + 0.1 * z
+    elif name.endswith("bias"):
+      value = np.zeros(shape)
+    else:
+      std = _GAIN.get(name, 1.0) / math.sqrt(_fan_in(cfg, name))
+      value = std * z
+      if perturb and name != "lm_head":
+        value = value + perturb * std * noise_rng.standard_normal(shape)
+    new[path] = var.replace(jnp.asarray(value, dtype))
+  nnx.update(model, nnx.from_flat_state(new))
+  return split_model(model)
+
+
+def make_requests(rng_seed: int, n: int, *, prompt_len=(1, 12), max_tokens=None, prefix="r",
+                  **sampling) -> list[Request]:
+  """``n`` requests with random prompts of ``prompt_len`` (inclusive range) tokens.
+
+  ``max_tokens`` is an inclusive range; None draws it so that prompt + output <= 17
+  positions (with k = 4 every such request needs at most 2 pages of 8, so 8 of them
+  fit the 16-page pool of ``ENGINE_CONFIG`` without preemption).
+  """
+  rng = np.random.default_rng(rng_seed)
+  out = []
+  for i in range(n):
+    p = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+    lo, hi = max_tokens if max_tokens is not None else (1, 17 - p)
+    m = int(rng.integers(lo, max(lo, hi) + 1))
+    prompt = tuple(int(t) for t in rng.integers(0, VOCAB, size=p))
+    out.append(Request(f"{prefix}{i}", prompt, SamplingParams(max_tokens=m, **sampling)))
+  return out
+
+
+# ---------------------------------------------------------------- uncached reference
+_REF_ROWS = 16
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _last_logits(graphdef, params, tokens, lengths):
+  """Full (uncached) forward of each row into a fresh cache; logits at ``lengths - 1``."""
+  model = nnx.merge(graphdef, params)
+  batch, width = tokens.shape
+  pages = width // PAGE_SIZE
+  caches = init_kv_caches(model.cfg, batch * pages, PAGE_SIZE)
+  table = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
+  meta = AttentionMetadata(table, lengths, lengths)
+  _, out = model(caches, tokens, meta, logits_indices=jnp.maximum(lengths - 1, 0)[:, None])
+  return out.logits[:, 0]
+
+
+def full_logits(model: SplitModel, sequences) -> np.ndarray:
+  """``f32[len(sequences), V]``: next-token logits after each sequence (uncached)."""
+  res = []
+  for start in range(0, len(sequences), _REF_ROWS):
+    chunk = sequences[start: start + _REF_ROWS]
+    tokens = np.zeros((_REF_ROWS, MAX_MODEL_LEN), np.int32)
+    lengths = np.ones(_REF_ROWS, np.int32)
+    for i, s in enumerate(chunk):
+      tokens[i, : len(s)] = s
+      lengths[i] = len(s)
+    res.append(np.asarray(_last_logits(model.graphdef, model.params, tokens, lengths))[: len(chunk)])
+  return np.concatenate(res)
+
+
+def greedy_reference(model: SplitModel, requests, eos_ids=()) -> list[list[int]]:
+  """Greedy outputs by re-running the full forward per token (no KV reuse, no engine).
+
+  Applies EOS / stop token ids, ``max_tokens`` and ``max_model_len`` (no stop strings).
+  """
+  seqs = [list(r.prompt_token_ids) for r in requests]
+  outs: list[list[int]] = [[] for _ in requests]
+  live = list(range(len(requests)))
+  while live:
+    logits = full_logits(model, [seqs[i] for i in live])
+    still = []
+    for i, row in zip(live, logits):
+      tok = int(np.argmax(row))
+      sp = requests[i].sampling
+      seqs[i].append(tok)
+      outs[i].append(tok)
+      stop = (tok in eos_ids and not sp.ignore_eos) or tok in sp.stop_token_ids
+      if not (stop or len(outs[i]) >= sp.max_tokens or len(seqs[i]) >= MAX_MODEL_LEN):
+        still.append(i)
+    live = still
+  return outs
+
+
+# ---------------------------------------------------------------- scripted drafter
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScriptedDrafter(Method):
+  """Test-only drafter that replays a known greedy continuation.
+
+  Attributes:
+    k: draft length.
+    script: ``((request_id, prompt_len, continuation), ...)``: the greedy AR output of
+      each request, long enough to reach ``max_model_len``.
+    num_right: None proposes the continuation (always right); j proposes its first j
+      tokens and then wrong ones (j = 0: always wrong).
+  """
+
+  name = "scripted"
+  k: int = K
+  script: tuple = ()
+  num_right: int | None = None
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    return self.k
+
+  def propose(self, state, context):
+    table = {rid: (p, cont) for rid, p, cont in self.script}
+    rows = len(context.request_ids)
+    tokens = np.full((rows, self.k), -1, np.int32)
+    num = np.zeros(rows, np.int32)
+    for i, (rid, seq) in enumerate(zip(context.request_ids, context.token_ids)):
+      prompt_len, cont = table[rid]
+      done = len(seq) - prompt_len
+      assert tuple(int(t) for t in seq[prompt_len:]) == tuple(cont[:done]), "off script"
+      budget = int(context.budgets[i])
+      right = budget if self.num_right is None else min(self.num_right, budget)
+      draft = list(cont[done: done + right])
+      draft += [(cont[done + j] + 1) % VOCAB for j in range(right, budget)]
+      tokens[i, :budget] = draft
+      num[i] = budget
+    return state, Draft(tokens, num)
+
+
+def scripted_drafter(requests, reference, num_right: int | None = None) -> ScriptedDrafter:
+  """A ``ScriptedDrafter`` replaying ``reference`` (requests -> greedy outputs) for
+  ``requests``, continued to ``max_model_len`` (no stops)."""
+  full = [Request(r.request_id, r.prompt_token_ids,
+                  SamplingParams(max_tokens=MAX_MODEL_LEN, ignore_eos=True)) for r in requests]
+  script = tuple((r.request_id, len(r.prompt_token_ids), tuple(c))
+                 for r, c in zip(requests, reference(full)))
+  return ScriptedDrafter(k=K, script=script, num_right=num_right)
+
+
+def expected_counts(prompt_len: int, num_output: int, max_tokens: int, *, k: int = K,
+                    num_right: int | None = None, max_model_len: int = MAX_MODEL_LEN):
+  """Per-step ``(drafted, accepted, emitted)`` of one greedy request fed by
+  ``ScriptedDrafter`` that ends after ``num_output`` tokens.
+
+  Example (k = 4, always right, 7 outputs, max_tokens 26): step 1 drafts 4, accepts 4
+  and emits 5 (4 drafts + bonus); step 2 drafts 4, accepts 4, but the request ends after
+  2 more tokens, so it emits 2 and counts 2 accepted: ``[(4, 4, 5), (4, 2, 2)]``.
+  """
+  steps, done = [], 0
+  while done < num_output:
+    budget = max(0, min(k, max_model_len - (prompt_len + done), max_tokens - done - 1))
+    accepted = budget if num_right is None else min(num_right, budget)
+    emitted = min(accepted + 1, num_output - done)
+    steps.append((budget, min(accepted, emitted), emitted))
+    done += emitted
+  return steps
+
+
+# ---------------------------------------------------------------- counter checks
+def check_counters(metrics, outputs, k: int) -> None:
+  """G5: per-step and per-request counters are consistent with the outputs."""
+  for s in metrics.steps:
+    assert 1 <= s.num_rows <= s.batch_bucket
+    assert 0 <= s.num_accepted <= s.num_draft_tokens, s
+    assert s.num_accepted <= s.num_emitted <= s.num_accepted + s.num_rows, s
+    acc, drafted = np.asarray(s.accepted_per_position), np.asarray(s.drafted_per_position)
+    assert acc.shape == drafted.shape == (k,)
+    if k:
+      assert np.all(acc >= 0) and np.all(acc <= drafted), s
+      assert np.all(np.diff(acc) <= 0) and np.all(np.diff(drafted) <= 0), s
+      assert acc.sum() == s.num_accepted and drafted.sum() == s.num_draft_tokens, s
+    else:
+      assert s.num_draft_tokens == 0 and s.num_emitted == s.num_rows
+  total_out = sum(len(o.output_token_ids) for o in outputs)
+  assert sum(s.num_emitted for s in metrics.steps) == total_out
+  assert sum(s.num_accepted for s in metrics.steps) == sum(o.num_accepted_tokens for o in outputs)
+  assert sum(s.num_draft_tokens for s in metrics.steps) == sum(o.num_draft_tokens for o in outputs)
+  assert sum(s.num_rows for s in metrics.steps) == sum(o.num_steps for o in outputs)
+  for o in outputs:
+    # Every step commits accepted + 1 tokens, except a last step cut short by a stop.
+    n = len(o.output_token_ids)
+    assert n in (o.num_accepted_tokens + o.num_steps, o.num_accepted_tokens + o.num_steps - 1), o
+    assert 0 <= o.num_accepted_tokens <= o.num_draft_tokens
