@@ -49,11 +49,14 @@ _RATE = flags.DEFINE_float(
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Model dtype.")
 _WARMUP = flags.DEFINE_boolean(
     "warmup", True, "Run the workload once untimed per engine first (compiles outside timing).")
+_WARMUP_TOKENS = flags.DEFINE_integer(
+    "warmup_tokens", 16,
+    "New tokens per request in the warm-up pass (0 = the full max_new_tokens).")
 _CHAT = flags.DEFINE_boolean(
     "chat_template", True, "Apply the tokenizer's chat template when it has one.")
 _PRECISION = flags.DEFINE_enum(
-    "matmul_precision", None, list(MATMUL_PRECISIONS),
-    "jax.default_matmul_precision for every pass (unset = JAX's default); 'highest' gives "
+    "matmul_precision", "highest", list(MATMUL_PRECISIONS),
+    "jax.default_matmul_precision for every pass (default 'highest': "
     "full-f32 matmuls on GPUs, for a token-exact lossless check.")
 
 
@@ -110,6 +113,7 @@ def config_from_flags() -> EvalConfig:
       request_rate=_RATE.value,
       dtype=_DTYPE.value,
       warmup=_WARMUP.value,
+      warmup_tokens=_WARMUP_TOKENS.value or None,
       chat_template=_CHAT.value,
       matmul_precision=_PRECISION.value,
   )

@@ -3,8 +3,10 @@
 ``run_evaluation(EvalConfig(...))`` is the library call behind
 ``experiments/evaluate.py``. For each batch size it builds one ``Engine`` per method
 (``"ar"``, the reference, always included) on the same target model and request list,
-runs the whole workload once untimed per engine (warm-up: every shape bucket the
-measured pass needs is compiled there, so the measured pass should count ~0 compiles),
+runs the workload once untimed per engine with at most ``warmup_tokens`` new tokens
+per request (warm-up: it compiles the prefill and early decode buckets; decode buckets
+first reached later compile in the measured pass, where those steps are flagged and
+left out of the timings),
 then ``repeats`` measured passes. Each measured pass of each method gives one row.
 
 Definitions (per row; see ``specjax.metrics``):
@@ -105,7 +107,12 @@ class EvalConfig:
     request_rate: requests/s of Poisson arrivals (online mode); None = offline (all
       requests at once, ``max_num_seqs`` of them running at a time).
     dtype: "float32" or "bfloat16" for the models.
-    warmup: run the whole workload once untimed per engine before measuring.
+    warmup: run the workload once untimed per engine before measuring.
+    warmup_tokens: max new tokens per request in that warm-up pass (None: the full
+      ``max_new_tokens``). A short warm-up compiles every prefill bucket and the early
+      decode buckets; buckets first reached later compile inside the measured pass,
+      where those steps are flagged, left out of ``decode_s`` and step means, and
+      reported as ``num_compiles``/``compile_s``.
     chat_template: apply the tokenizer's chat template when it has one.
     matmul_precision: None keeps JAX's default; else one of ``MATMUL_PRECISIONS``,
       applied with ``jax.default_matmul_precision`` around every pass. "highest" makes
@@ -134,8 +141,9 @@ class EvalConfig:
   request_rate: float | None = None
   dtype: str = "float32"
   warmup: bool = True
+  warmup_tokens: int | None = 16
   chat_template: bool = True
-  matmul_precision: str | None = None
+  matmul_precision: str | None = "highest"
 
   def __post_init__(self):
     methods = tuple(dict.fromkeys(["ar", *self.methods]))
@@ -335,14 +343,21 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
       "matmul_precision": cfg.matmul_precision or "default",
   }
   greedy = cfg.temperature == 0
-  passes = len(cfg.batch_sizes) * len(methods) * (cfg.repeats + int(cfg.warmup))
   budget = len(requests) * cfg.max_new_tokens
+  warm_tokens = min(cfg.max_new_tokens, cfg.warmup_tokens or cfg.max_new_tokens)
+  warm_requests = [
+      dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_tokens=warm_tokens))
+      for r in requests
+  ]
+  warm_budget = len(requests) * warm_tokens
+  passes_tokens = len(cfg.batch_sizes) * len(methods) * (
+      cfg.repeats * budget + int(cfg.warmup) * warm_budget)
   rows: list[dict] = []
   output_records: list[dict] = []
   warmup_s = measure_s = 0.0
   precision = (jax.default_matmul_precision(cfg.matmul_precision) if cfg.matmul_precision
                else contextlib.nullcontext())
-  with precision, contextlib.closing(_Progress(passes * budget, progress)) as bar:
+  with precision, contextlib.closing(_Progress(passes_tokens, progress)) as bar:
     for batch in cfg.batch_sizes:
       engine_cfg = EngineConfig(
           max_num_seqs=batch, max_model_len=max_model_len, page_size=cfg.page_size,
@@ -357,8 +372,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
       if cfg.warmup:
         t0 = time.perf_counter()
         for name, engine in engines.items():
-          bar.start(f"warm-up {name} b={batch}", budget)
-          engine.generate(requests, progress=bar)
+          bar.start(f"warm-up {name} b={batch}", warm_budget)
+          engine.generate(warm_requests, progress=bar)
           bar.finish()
         warmup_s += time.perf_counter() - t0
       for rep in range(cfg.repeats):
