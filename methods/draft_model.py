@@ -79,7 +79,7 @@ def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetad
 @dataclasses.dataclass
 class _State:
   runtime: object
-  kv_caches: list
+  kv_caches: jax.Array  # [num_layers * num_pages, page_size, 2K, H] (init_kv_caches)
   written: dict  # request id -> draft KV positions written
 
 

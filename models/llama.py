@@ -6,24 +6,52 @@ knows which speculative method runs; callers ask for hidden states by layer inde
 Architectures follow the HF ``transformers`` implementations (LlamaForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM), which the loader tests compare
 against logit for logit.
+
+Layers are stored stacked (every parameter of ``Transformer.layers`` has a leading
+``num_layers`` axis) and run with ``jax.lax.scan``, so XLA compiles one layer body per
+step shape instead of ``num_layers`` unrolled copies. Where local (sliding-window) and
+global layers mix (Gemma 3), the attention kernels still get the window as a static
+int: the body holds both attention calls and ``lax.cond`` picks the layer's (scanning
+groups of ``global_every`` unrolled layers instead compiled as slowly as the unrolled
+model and ran 35 % slower on CPU). The KV caches of all layers are one array
+(``init_kv_caches``) that the scan carries and updates in place.
+
+The price: each scanned layer slices its weights out of the stack and XLA's CPU backend
+materializes that slice before the matmul (GPU too, unless XLA fuses dynamic slices into
+its GEMMs), so a step also writes and re-reads one copy of each layer's weights. On a
+2-core CPU this cost nothing measurable for SmolLM2-135M (14 MB per f32 layer, cache
+sized) but doubled the decode step of Gemma-3-1B-sized f32 layers (108 MB each).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import activation, apply_rope, rms_norm, rope_inv_freq
-from pallas_kernels.paged_attention import kv_cache_shape, paged_attention, query_positions, write_kv
+from pallas_kernels.paged_attention import (
+  kv_cache_shape,
+  paged_attention,
+  query_positions,
+  write_kv,
+)
 from specjax.batch import AttentionMetadata
 
-__all__ = ["ModelOutput", "Transformer", "init_kv_caches"]
-
-_List = getattr(nnx, "List", list)
+__all__ = [
+    "DecoderLayer",
+    "ModelOutput",
+    "StackedDecoderLayers",
+    "Transformer",
+    "init_kv_caches",
+]
 
 
 class ModelOutput(NamedTuple):
@@ -50,80 +78,171 @@ def _ones(shape, dtype, zero: bool):
   return nnx.Param(jnp.zeros(shape, dtype) if zero else jnp.ones(shape, dtype))
 
 
+def _layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
+  """One layer's parameters: name -> (shape, is a norm scale), in creation order."""
+  d, n, k, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size)
+  shapes = {"attn_norm": ((d,), True), "q": ((d, n, h), False), "k": ((d, k, h), False),
+            "v": ((d, k, h), False), "o": ((n, h, d), False)}
+  if cfg.attention_bias:
+    shapes.update(q_bias=((n, h), False), k_bias=((k, h), False), v_bias=((k, h), False))
+  if cfg.qk_norm:
+    shapes.update(q_norm=((h,), True), k_norm=((h,), True))
+  if cfg.sandwich_norms:
+    shapes.update(post_attn_norm=((d,), True), post_ffn_norm=((d,), True))
+  shapes.update(ffn_norm=((d,), True), gate=((d, f), False), up=((d, f), False),
+                down=((f, d), False))
+  return shapes
+
+
+def _init_layer_params(module: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs, lead=()) -> None:
+  """Sets one layer's parameters on ``module``, each with leading axes ``lead``."""
+  dt = _dtype(cfg)
+  for name, (shape, is_norm) in _layer_param_shapes(cfg).items():
+    full = (*lead, *shape)
+    setattr(module, name, _ones(full, dt, cfg.norm_plus_one) if is_norm else _param(rngs, full, dt))
+
+
+def _attention_config(cfg: ModelConfig, layer: int):
+  """``(sliding_window, RoPE inv_freq)`` of layer ``layer`` (both static)."""
+  local = cfg.is_local_layer(layer)
+  inv_freq = rope_inv_freq(cfg.head_dim, cfg.layer_rope_theta(layer),
+                           None if local else cfg.rope_scaling)
+  return (cfg.sliding_window if local else None), inv_freq
+
+
+def _decoder_block(cfg: ModelConfig, layer: int | jax.Array, p: Mapping[str, jax.Array],
+                   x: jax.Array, kv_pages: jax.Array, meta: AttentionMetadata,
+                   positions: jax.Array, implementation) -> tuple[jax.Array, jax.Array]:
+  """One decoder layer; ``layer`` picks the sliding window and RoPE base only.
+
+  Args:
+    cfg: the model config.
+    layer: the layer index: a Python int, or a traced ``i32[]`` (inside the layer scan
+      of a model with both local and global layers). Attention kernels take the window
+      as a static int, so a traced index compiles the local and the global attention
+      call and ``lax.cond`` runs the layer's one; its RoPE frequencies are selected.
+    p: this layer's parameters by name (no leading layer axis).
+    x: ``[B, T, D]`` residual stream.
+    kv_pages: ``[num_pages, page_size, 2K, H]`` pool that ``meta.page_indices`` address.
+    meta: page table and lengths.
+    positions: ``i32[B, T]`` absolute query positions.
+    implementation: paged-attention implementation(s).
+
+  Returns:
+    ``(x, kv_pages)`` after the layer.
+  """
+  eps, p1 = cfg.rms_norm_eps, cfg.norm_plus_one
+  h_in = rms_norm(x, p["attn_norm"], eps, p1)
+  q = jnp.einsum("BTD,DNH->BTNH", h_in, p["q"])
+  k = jnp.einsum("BTD,DKH->BTKH", h_in, p["k"])
+  v = jnp.einsum("BTD,DKH->BTKH", h_in, p["v"])
+  if cfg.attention_bias:
+    q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+  if cfg.qk_norm:
+    q = rms_norm(q, p["q_norm"], eps, p1)
+    k = rms_norm(k, p["k_norm"], eps, p1)
+
+  def attend(window, q, kv_pages):
+    return paged_attention(
+        q, kv_pages, meta.page_indices, meta.kv_lens, meta.q_lens, sm_scale=cfg.sm_scale,
+        sliding_window=window, tree_mask=meta.tree_mask, implementation=implementation,
+    )
+
+  static = isinstance(layer, (int, np.integer))
+  if static:
+    window, inv_freq = _attention_config(cfg, int(layer))
+  else:
+    local_of = [cfg.is_local_layer(i) for i in range(cfg.num_layers)]
+    local = jnp.asarray(local_of)[layer]
+    (window_l, inv_l), (window_g, inv_g) = (
+        _attention_config(cfg, local_of.index(kind)) for kind in (True, False))
+    inv_freq = jnp.where(local, inv_l, inv_g)
+  q = apply_rope(q, positions, inv_freq)
+  k = apply_rope(k, positions, inv_freq)
+  kv_pages = write_kv(kv_pages, k, v, meta.page_indices, meta.kv_lens, meta.q_lens)
+  if static:
+    attn = attend(window, q, kv_pages)
+  else:
+    attn = jax.lax.cond(local, functools.partial(attend, window_l),
+                        functools.partial(attend, window_g), q, kv_pages)
+  out = jnp.einsum("BTNH,NHD->BTD", attn, p["o"])
+  if cfg.sandwich_norms:
+    out = rms_norm(out, p["post_attn_norm"], eps, p1)
+  x = x + out
+  h_ffn = rms_norm(x, p["ffn_norm"], eps, p1)
+  gate = activation(cfg.hidden_act, jnp.einsum("BTD,DF->BTF", h_ffn, p["gate"]))
+  up = jnp.einsum("BTD,DF->BTF", h_ffn, p["up"])
+  out = jnp.einsum("BTF,FD->BTD", gate * up, p["down"])
+  if cfg.sandwich_norms:
+    out = rms_norm(out, p["post_ffn_norm"], eps, p1)
+  return x + out, kv_pages
+
+
 class DecoderLayer(nnx.Module):
-  """Pre-norm attention + gated MLP block (with Gemma 3 sandwich norms when configured)."""
+  """One pre-norm attention + gated MLP block (with Gemma 3 sandwich norms when configured).
+
+  Usable on its own (e.g. a draft head's layer); the ``Transformer`` keeps its layers in
+  one :class:`StackedDecoderLayers` instead. ``layer`` fixes the static attention config
+  (sliding window, RoPE base) via ``cfg.is_local_layer(layer)``.
+  """
 
   def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
-    d, n, k, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                     cfg.intermediate_size)
-    dt = _dtype(cfg)
-    zero = cfg.norm_plus_one
     self.cfg, self.layer = cfg, layer
-    self.attn_norm = _ones((d,), dt, zero)
-    self.q = _param(rngs, (d, n, h), dt)
-    self.k = _param(rngs, (d, k, h), dt)
-    self.v = _param(rngs, (d, k, h), dt)
-    self.o = _param(rngs, (n, h, d), dt)
-    if cfg.attention_bias:
-      self.q_bias = _param(rngs, (n, h), dt)
-      self.k_bias = _param(rngs, (k, h), dt)
-      self.v_bias = _param(rngs, (k, h), dt)
-    if cfg.qk_norm:
-      self.q_norm = _ones((h,), dt, zero)
-      self.k_norm = _ones((h,), dt, zero)
-    if cfg.sandwich_norms:
-      self.post_attn_norm = _ones((d,), dt, zero)
-      self.post_ffn_norm = _ones((d,), dt, zero)
-    self.ffn_norm = _ones((d,), dt, zero)
-    self.gate = _param(rngs, (d, f), dt)
-    self.up = _param(rngs, (d, f), dt)
-    self.down = _param(rngs, (f, d), dt)
+    _init_layer_params(self, cfg, rngs)
+
+  def weights(self) -> dict[str, jax.Array]:
+    """This layer's parameter values by name."""
+    return {name: getattr(self, name)[...] for name in _layer_param_shapes(self.cfg)}
 
   def __call__(self, x, kv_pages, meta: AttentionMetadata, positions, implementation):
+    """``x [B, T, D]``, one layer's ``kv_pages`` -> ``(x, kv_pages)`` (see ``_decoder_block``)."""
+    return _decoder_block(self.cfg, self.layer, self.weights(), x, kv_pages, meta, positions,
+                          implementation)
+
+
+class StackedDecoderLayers(nnx.Module):
+  """All ``num_layers`` decoder layers, each parameter stacked on a leading layer axis.
+
+  Attribute names match :class:`DecoderLayer` (``q: [num_layers, D, N, H]``, ...).
+  ``layers[i]`` returns layer ``i`` as a standalone :class:`DecoderLayer` holding copies
+  of its parameters (for inspection or to seed another module; writes to it do not
+  reach the stack).
+  """
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.num_layers = cfg.num_layers
+    _init_layer_params(self, cfg, rngs, lead=(cfg.num_layers,))
+
+  def weights(self) -> dict[str, jax.Array]:
+    """Stacked parameter values by name (leading axis ``num_layers``)."""
+    return {name: getattr(self, name)[...] for name in _layer_param_shapes(self.cfg)}
+
+  def __getitem__(self, i: int) -> DecoderLayer:
+    """Layer ``i`` (negative counts from the end) as a detached ``DecoderLayer``."""
+    if not isinstance(i, (int, np.integer)):
+      raise TypeError(f"layer index {i!r} must be an int")
+    if not -self.num_layers <= i < self.num_layers:
+      raise IndexError(f"layer {i=} out of range for {self.num_layers} layers")
+    i = int(i) % self.num_layers
     cfg = self.cfg
-    eps, p1 = cfg.rms_norm_eps, cfg.norm_plus_one
-    h_in = rms_norm(x, self.attn_norm[...], eps, p1)
-    q = jnp.einsum("BTD,DNH->BTNH", h_in, self.q[...])
-    k = jnp.einsum("BTD,DKH->BTKH", h_in, self.k[...])
-    v = jnp.einsum("BTD,DKH->BTKH", h_in, self.v[...])
-    if cfg.attention_bias:
-      q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-    if cfg.qk_norm:
-      q = rms_norm(q, self.q_norm[...], eps, p1)
-      k = rms_norm(k, self.k_norm[...], eps, p1)
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.layer_rope_theta(self.layer),
-                             cfg.rope_scaling if not cfg.is_local_layer(self.layer) else None)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
-    kv_pages = write_kv(kv_pages, k, v, meta.page_indices, meta.kv_lens, meta.q_lens)
-    window = cfg.sliding_window if cfg.is_local_layer(self.layer) else None
-    attn = paged_attention(
-        q, kv_pages, meta.page_indices, meta.kv_lens, meta.q_lens,
-        sm_scale=cfg.sm_scale, sliding_window=window, tree_mask=meta.tree_mask,
-        implementation=implementation,
-    )
-    out = jnp.einsum("BTNH,NHD->BTD", attn, self.o[...])
-    if cfg.sandwich_norms:
-      out = rms_norm(out, self.post_attn_norm[...], eps, p1)
-    x = x + out
-    h_ffn = rms_norm(x, self.ffn_norm[...], eps, p1)
-    gate = activation(cfg.hidden_act, jnp.einsum("BTD,DF->BTF", h_ffn, self.gate[...]))
-    up = jnp.einsum("BTD,DF->BTF", h_ffn, self.up[...])
-    out = jnp.einsum("BTF,FD->BTD", gate * up, self.down[...])
-    if cfg.sandwich_norms:
-      out = rms_norm(out, self.post_ffn_norm[...], eps, p1)
-    return x + out, kv_pages
+    layer = nnx.eval_shape(lambda: DecoderLayer(cfg, i, nnx.Rngs(0)))
+    for name, w in self.weights().items():
+      setattr(layer, name, nnx.Param(w[i]))
+    return layer
 
 
 class Transformer(nnx.Module):
   """Decoder-only LM. Parameters are stored einsum-ready (``q: [D, N, H]``, ``o: [N, H, D]``,
-  ``embed: [V, D]``, ``lm_head: [D, V]`` when untied)."""
+  ``embed: [V, D]``, ``lm_head: [D, V]`` when untied); layer parameters carry a leading
+  ``num_layers`` axis (``layers.q: [num_layers, D, N, H]``)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     dt = _dtype(cfg)
     self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), dt)
-    self.layers = _List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)])
+    self.layers = StackedDecoderLayers(cfg, rngs)
     self.final_norm = _ones((cfg.hidden_size,), dt, cfg.norm_plus_one)
     if not cfg.tie_word_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), dt)
@@ -147,18 +266,19 @@ class Transformer(nnx.Module):
 
   def __call__(
       self,
-      kv_caches: list[jax.Array],
+      kv_caches: jax.Array,
       tokens: jax.Array,
       meta: AttentionMetadata,
       *,
       hidden_layers: tuple[int, ...] = (),
       logits_indices: jax.Array | None = None,
       implementation: str | tuple[str, ...] = "reference",
-  ) -> tuple[list[jax.Array], ModelOutput]:
+  ) -> tuple[jax.Array, ModelOutput]:
     """Runs the step.
 
     Args:
-      kv_caches: one ``[num_pages, page_size, 2K, H]`` array per layer.
+      kv_caches: ``[num_layers * num_pages, page_size, 2K, H]`` from ``init_kv_caches``
+        (layer ``l``'s pages are rows ``l * num_pages`` to ``(l + 1) * num_pages - 1``).
       tokens: ``i32[B, T]`` (padding anything; masked by ``meta.q_lens``).
       meta: page table and lengths (see ``specjax.batch.AttentionMetadata``).
       hidden_layers: static HF ``hidden_states`` indices to return.
@@ -166,29 +286,83 @@ class Transformer(nnx.Module):
       implementation: paged-attention implementation(s).
 
     Returns:
-      Updated caches and ``ModelOutput``.
+      Updated caches (same shape) and ``ModelOutput``.
+
+    Raises:
+      ValueError: a hidden layer index is out of range, or ``kv_caches`` is not one
+        array of this model's layers, KV heads and head dim.
     """
     cfg = self.cfg
+    num_layers = cfg.num_layers
     for i in hidden_layers:
-      if not 0 <= i <= cfg.num_layers:
-        raise ValueError(f"hidden layer {i=} must be in [0, {cfg.num_layers}]")
+      if not 0 <= i <= num_layers:
+        raise ValueError(f"hidden layer {i=} must be in [0, {num_layers}]")
+    shape = getattr(kv_caches, "shape", None)
+    if (shape is None or len(shape) != 4 or shape[0] % num_layers
+        or shape[2:] != (2 * cfg.num_kv_heads, cfg.head_dim)):
+      raise ValueError(f"kv_caches must be one [num_layers * num_pages, page_size, "
+                       f"{2 * cfg.num_kv_heads}, {cfg.head_dim}] array from init_kv_caches "
+                       f"({num_layers=}); got {shape or type(kv_caches).__name__}")
     positions = query_positions(meta.kv_lens, meta.q_lens, tokens.shape[1])
     x = self.embed_tokens(tokens)
     hidden = {0: x}
-    new_caches = []
-    for i, layer in enumerate(self.layers):
-      x, cache = layer(x, kv_caches[i], meta, positions, implementation)
-      new_caches.append(cache)
-      hidden[i + 1] = x
+
+    # All layers' pages form one pool and layer l's pages start at row l * num_pages, so
+    # the attention kernels see one array that the scan carries and updates in place
+    # (slicing a layer out would copy its whole cache every step). Example: num_pages 64,
+    # layer 2, page table [5, 9, -1] -> [133, 137, -1] (padding stays -1).
+    num_pages = kv_caches.shape[0] // num_layers
+    pool = kv_caches
+
+    def layer_meta(layer):
+      table = meta.page_indices
+      table = jnp.where(table >= 0, table + layer * num_pages, -1).astype(table.dtype)
+      return dataclasses.replace(meta, page_indices=table)
+
+    stacked = self.layers.weights()
+    # Layer l's output is hidden_states[l + 1]; the last layer's is replaced by the final
+    # norm's, so only outputs of layers below num_layers - 1 are collected, each into its
+    # slot of a carried buffer (slot len(collect) takes the other layers).
+    collect = sorted({i - 1 for i in hidden_layers if 1 <= i <= num_layers - 1})
+    slot_of = np.full((num_layers,), len(collect), np.int32)
+    slot_of[collect] = np.arange(len(collect), dtype=np.int32)
+
+    # A Python int layer index when every layer has the same attention config (one
+    # compiled attention call), else the traced index (local/global picked per layer).
+    uniform = len({cfg.is_local_layer(i) for i in range(num_layers)}) == 1
+
+    def layer_step(carry, layer):
+      x, pool, buf = carry
+      p = {n: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False) for n, w in stacked.items()}
+      x, pool = _decoder_block(cfg, 0 if uniform else layer, p, x, pool, layer_meta(layer),
+                               positions, implementation)
+      if collect:
+        buf = jax.lax.dynamic_update_index_in_dim(buf, x, jnp.asarray(slot_of)[layer], 0)
+      return (x, pool, buf), None
+
+    buf = jnp.zeros((len(collect) + 1,) + x.shape, x.dtype) if collect else None
+    (x, pool, buf), _ = jax.lax.scan(layer_step, (x, pool, buf),
+                                     jnp.arange(num_layers, dtype=jnp.int32))
+    for s, layer in enumerate(collect):
+      hidden[layer + 1] = buf[s]
+
     x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_plus_one)
-    hidden[cfg.num_layers] = x
+    hidden[num_layers] = x
     if logits_indices is not None:
       x = jnp.take_along_axis(x, logits_indices[:, :, None], axis=1)
-    logits = self.lm_logits(x)
-    return new_caches, ModelOutput(logits, tuple(hidden[i] for i in hidden_layers))
+    out = ModelOutput(self.lm_logits(x), tuple(hidden[i] for i in hidden_layers))
+    return pool, out
 
 
-def init_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> list[jax.Array]:
-  """Zeroed paged KV caches, one per layer (layout from ``kv_cache_shape``)."""
+def init_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> jax.Array:
+  """Zeroed paged KV caches of all layers, stacked on the page axis.
+
+  Returns ``[num_layers * num_pages, page_size, 2K, H]``: layer ``l``'s cache, in the
+  one-layer layout of ``pallas_kernels.paged_attention.kv_cache_shape``, is rows
+  ``l * num_pages`` to ``(l + 1) * num_pages - 1`` (``caches.reshape(num_layers,
+  num_pages, page_size, 2K, H)[l]``). One page table addresses the same page ids in
+  every layer. Pass the whole array to ``Transformer.__call__`` (donated in the jitted
+  steps); it is one array, not a list, so the layer scan updates it in place.
+  """
   shape = kv_cache_shape(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-  return [jnp.zeros(shape, dtype or _dtype(cfg)) for _ in range(cfg.num_layers)]
+  return jnp.zeros((cfg.num_layers * shape[0], *shape[1:]), dtype or _dtype(cfg))

@@ -101,10 +101,20 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
   """
   rng = np.random.default_rng(seed)
   graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
-  new = {}
-  for path, var in nnx.to_flat_state(abstract_state):
+  flat = dict(nnx.to_flat_state(abstract_state))
+  # Layer parameters are stacked (``("layers", "q"): [num_layers, D, N, H]``); values are
+  # drawn per layer in the order of ``("layers", i, "q")`` paths so seeds give the same
+  # weights as when every layer was its own module.
+  draws = []
+  for path, var in flat.items():
     w = var.get_value()
-    z = rng.standard_normal(w.shape, dtype=np.float32)
+    if path[0] == "layers":
+      draws += [(("layers", i, path[1]), w.shape[1:]) for i in range(w.shape[0])]
+    else:
+      draws.append((path, w.shape))
+  values = {}
+  for path, shape in sorted(draws):
+    z = rng.standard_normal(shape, dtype=np.float32)
     name = path[-1]
     if name == "embed":
       value = z / math.sqrt(cfg.hidden_size) if cfg.scale_embeddings else z
@@ -113,8 +123,16 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     elif name.endswith("bias"):
       value = 0.1 * z
     else:
-      fan_in = math.prod(w.shape[: _FAN_IN_AXES[name]])
+      fan_in = math.prod(shape[: _FAN_IN_AXES[name]])
       value = z / math.sqrt(fan_in)
+    values[path] = value
+  new = {}
+  for path, var in flat.items():
+    w = var.get_value()
+    if path[0] == "layers":
+      value = np.stack([values["layers", i, path[1]] for i in range(w.shape[0])])
+    else:
+      value = values[path]
     new[path] = var.replace(jnp.asarray(np.asarray(value, w.dtype)))
   return nnx.merge(graphdef, nnx.from_flat_state(new))
 
@@ -127,12 +145,12 @@ def _step(graphdef, state, caches, tokens, meta, hidden_layers):
 
 def run_step(
     model: Transformer,
-    caches: list[jax.Array],
+    caches: jax.Array,
     tokens: jax.Array,
     meta: AttentionMetadata,
     *,
     hidden_layers: tuple[int, ...] = (),
-) -> tuple[list[jax.Array], ModelOutput]:
+) -> tuple[jax.Array, ModelOutput]:
   """``model(caches, tokens, meta)`` under one ``jax.jit`` (split once per call)."""
   graphdef, state = nnx.split(model)
   return _step(graphdef, state, caches, jnp.asarray(tokens, jnp.int32), meta, hidden_layers)
@@ -146,7 +164,8 @@ class PagedKV:
     page_indices: ``i32[B, pages_per_seq]`` numpy page table, -1 where unallocated. The
       last column is never allocated.
     kv_lens: ``i32[B]`` committed length of each row.
-    caches: one ``[num_pages, page_size, 2K, H]`` array per layer, NaN where unwritten.
+    caches: ``[num_layers * num_pages, page_size, 2K, H]`` (``init_kv_caches``), NaN
+      where unwritten.
   """
 
   def __init__(
@@ -179,7 +198,7 @@ class PagedKV:
     self._free = [int(p) for p in np.random.default_rng(seed).permutation(num_pages)]
     self.page_indices = np.full((batch, used_per_seq + 1), -1, np.int32)
     self.kv_lens = np.zeros((batch,), np.int32)
-    self.caches = [jnp.full_like(c, fill) for c in init_kv_caches(cfg, num_pages, page_size)]
+    self.caches = jnp.full_like(init_kv_caches(cfg, num_pages, page_size), fill)
 
   def metadata(self, q_lens: Sequence[int]) -> AttentionMetadata:
     """Metadata for a step appending ``q_lens[b]`` tokens to row ``b`` (allocates pages).

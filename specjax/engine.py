@@ -89,7 +89,7 @@ class Engine:
     CompileMonitor.install()
     self.kv_caches = init_kv_caches(self.target.config, config.total_pages, config.page_size)
     cfg = self.target.config
-    itemsize = jnp.dtype(self.kv_caches[0].dtype).itemsize
+    itemsize = jnp.dtype(self.kv_caches.dtype).itemsize
     self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
     self.runtime = RuntimeInfo(
         target=self.target, draft=self.draft, num_pages=config.total_pages,

@@ -274,7 +274,8 @@ class TensorSpec(NamedTuple):
 
   Attributes:
     name: checkpoint tensor name, e.g. ``model.layers.0.self_attn.q_proj.weight``.
-    path: parameter path in the ``Transformer``'s state, e.g. ``("layers", 0, "q")``.
+    path: parameter path, e.g. ``("layers", 0, "q")``: the layer index selects a row of
+      the stacked ``("layers", "q")`` state entry (leading axis ``num_layers``).
     shape: expected checkpoint shape, e.g. ``(N*H, D)``.
     convert: checkpoint layout -> parameter layout, e.g. ``w.T.reshape(D, N, H)``.
   """
@@ -349,6 +350,16 @@ def hf_param_table(cfg: ModelConfig) -> list[TensorSpec]:
   return table
 
 
+def _state_path(path: tuple[str | int, ...]) -> tuple[tuple[str, ...], int | None]:
+  """Table path -> (path in the ``Transformer``'s state, index on the layer axis or None).
+
+  Layer parameters are stacked: ``("layers", 3, "q")`` is row 3 of ``("layers", "q")``.
+  """
+  if path[0] == "layers":
+    return (path[0], path[2]), path[1]
+  return path, None
+
+
 def _ignored(name: str) -> bool:
   """Non-parameter buffers some checkpoints carry."""
   return name.endswith("rotary_emb.inv_freq")
@@ -390,17 +401,31 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -
   abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)
   flat = dict(nnx.to_flat_state(abstract_state))
-  assert set(flat) == {s.path for s in table}, (
-      sorted(map(str, set(flat) ^ {s.path for s in table})))
+  assert set(flat) == {_state_path(s.path)[0] for s in table}, (
+      sorted(map(str, set(flat) ^ {_state_path(s.path)[0] for s in table})))
+  # Stacked layer parameters are filled layer by layer in host buffers, then moved once.
+  buffers: dict[tuple, np.ndarray] = {}
+  filled: dict[tuple, list[int]] = {}
   for spec in table:
     w = np.asarray(tensors[spec.name])
     if w.shape != spec.shape:
       raise ValueError(f"tensor {spec.name!r} has shape {w.shape}, expected {spec.shape}")
-    var = flat[spec.path]
-    target = var.get_value()
+    path, layer = _state_path(spec.path)
+    target = flat[path].get_value()
     value = spec.convert(w)
-    assert value.shape == target.shape, (spec, value.shape, target.shape)
-    flat[spec.path] = var.replace(jnp.asarray(np.asarray(value, dtype=target.dtype)))
+    if layer is None:
+      assert value.shape == target.shape, (spec, value.shape, target.shape)
+      buffers[path] = np.asarray(value, dtype=target.dtype)
+    else:
+      assert value.shape == target.shape[1:], (spec, value.shape, target.shape)
+      if path not in buffers:
+        buffers[path] = np.empty(target.shape, target.dtype)
+      buffers[path][layer] = value
+      filled.setdefault(path, []).append(layer)
+  for path, layers in filled.items():
+    assert sorted(layers) == list(range(cfg.num_layers)), (path, layers)
+  for path, value in buffers.items():
+    flat[path] = flat[path].replace(jnp.asarray(value))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
