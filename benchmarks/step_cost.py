@@ -80,7 +80,7 @@ def _kv_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
 class _Runner:
   """Holds the random model and a paged cache large enough for the biggest case."""
 
-  def __init__(self, cfg: StepBenchConfig):
+  def __init__(self, cfg: StepBenchConfig, unroll_layers: bool = True):
     from flax import nnx
 
     from models.llama import Transformer, init_kv_caches
@@ -88,7 +88,7 @@ class _Runner:
 
     self.cfg = cfg
     m = cfg.model
-    self.model = split_model(Transformer(m, nnx.Rngs(cfg.seed)))
+    self.model = split_model(Transformer(m, nnx.Rngs(cfg.seed)), unroll_layers=unroll_layers)
     max_tokens = max(max(cfg.contexts), cfg.verify_context) + max(cfg.verify_lengths, default=0) + 1
     self.pages_per_seq = -(-max_tokens // cfg.page_size)
     self.num_pages = max(cfg.batch_sizes) * self.pages_per_seq
@@ -96,27 +96,35 @@ class _Runner:
     rng = np.random.default_rng(cfg.seed)
     self.perm = rng.permutation(self.num_pages).astype(np.int32)
 
-  def time_step(self, batch: int, context: int, num_query: int) -> float:
-    """Median seconds of one step with ``num_query`` tokens per row at ``context``."""
-    from specjax.steps import forward_step
-
+  def inputs(self, batch: int, context: int, num_query: int):
+    """Host (numpy) step inputs, as the engine builds them: ``(tokens, meta, idx)``."""
     cfg = self.cfg
     total = context + num_query
     width = -(-total // cfg.page_size)
     table = self.perm[: batch * self.pages_per_seq].reshape(batch, self.pages_per_seq)[:, :width]
-    meta = AttentionMetadata(
-        jnp.asarray(table), jnp.full((batch,), total, jnp.int32),
-        jnp.full((batch,), num_query, jnp.int32),
-    )
-    tokens = jnp.ones((batch, num_query), jnp.int32)
-    idx = jnp.broadcast_to(jnp.arange(num_query, dtype=jnp.int32), (batch, num_query))
+    meta = AttentionMetadata(np.ascontiguousarray(table), np.full((batch,), total, np.int32),
+                             np.full((batch,), num_query, np.int32))
+    tokens = np.ones((batch, num_query), np.int32)
+    idx = np.broadcast_to(np.arange(num_query, dtype=np.int32), (batch, num_query)).copy()
+    return tokens, meta, idx
+
+  def step(self, batch: int, context: int, num_query: int, inputs=None) -> None:
+    """One step with ``num_query`` tokens per row at ``context``, waited for."""
+    from specjax.steps import forward_step
+
+    tokens, meta, idx = inputs or self.inputs(batch, context, num_query)
     m = self.model
+    self.kv, logits, _ = forward_step(m.graphdef, m.params, self.kv, tokens, meta, idx,
+                                      implementation=self.cfg.attention_implementation)
+    logits.block_until_ready()
+
+  def time_step(self, batch: int, context: int, num_query: int) -> float:
+    """Median seconds of one step with ``num_query`` tokens per row at ``context``."""
     times = []
-    for i in range(cfg.reps + 3):
+    inputs = self.inputs(batch, context, num_query)
+    for i in range(self.cfg.reps + 3):
       t = time.perf_counter()
-      self.kv, logits, _ = forward_step(m.graphdef, m.params, self.kv, tokens, meta, idx,
-                                        implementation=cfg.attention_implementation)
-      logits.block_until_ready()
+      self.step(batch, context, num_query, inputs)
       if i >= 3:
         times.append(time.perf_counter() - t)
     return float(np.median(times))

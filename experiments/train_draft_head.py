@@ -24,6 +24,7 @@ _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 256, "Prompts (incl. held-out
 _NUM_HELD_OUT = flags.DEFINE_integer("num_held_out", 16, "Held-out sequences.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 160, "Regenerated response budget.")
 _MAX_LEN = flags.DEFINE_integer("max_len", 256, "Sequence length of the training data.")
+_GEN_BATCH = flags.DEFINE_integer("gen_batch_size", 16, "Engine batch of the regeneration.")
 _STEPS = flags.DEFINE_integer("steps", 300, "Optimiser steps.")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences per step.")
 _LR = flags.DEFINE_float("learning_rate", 5e-4, "Peak learning rate.")
@@ -49,7 +50,8 @@ def config_from_flags() -> DraftHeadJob:
       output_dir=_OUTPUT_DIR.value)
   return DraftHeadJob(target=_TARGET.value, data=_DATA.value, num_prompts=_NUM_PROMPTS.value,
                       num_held_out=_NUM_HELD_OUT.value, max_new_tokens=_MAX_NEW.value,
-                      max_len=_MAX_LEN.value, dtype=_DTYPE.value, train=train)
+                      max_len=_MAX_LEN.value, gen_batch_size=_GEN_BATCH.value,
+                      dtype=_DTYPE.value, train=train)
 
 
 def main(argv):

@@ -36,11 +36,12 @@ from specjax.steps import SplitModel, forward_step, split_model, verify_step
 __all__ = ["Engine", "bucket"]
 
 
-def bucket(n: int, cap: int, minimum: int = 1) -> int:
-  """Smallest power of two >= max(n, minimum), capped at ``cap`` (e.g. 5 -> 8)."""
+def bucket(n: int, cap: int, minimum: int = 1, growth: int = 2) -> int:
+  """Smallest ``minimum * growth**i`` >= n, capped at ``cap`` (e.g. 5 -> 8; growth 4,
+  minimum 4: 5 -> 16)."""
   b = minimum
   while b < n:
-    b *= 2
+    b *= growth
   return max(n, min(b, cap))
 
 
@@ -127,8 +128,10 @@ class Engine:
     return temp, top_k, top_p, keys
 
   def _pages_bucket(self, rows: list[RequestState], num_tokens: list[int]) -> int:
+    # Page-table width buckets grow 4x (4, 16, 64, ... pages): fewer step shapes to
+    # compile for a slightly wider (masked) attention gather.
     need = max(pages_needed(n, self.config.page_size) for n in num_tokens)
-    return bucket(need, self.config.pages_per_seq, minimum=4)
+    return bucket(need, self.config.pages_per_seq, minimum=4, growth=4)
 
   def _prefill(self, rows: list[RequestState], metrics: RunMetrics, method_state):
     """Writes KV for every token but the pending last one (no sampling).
@@ -208,8 +211,10 @@ class Engine:
         time.sleep(max(0.0, nxt - now) if nxt is not None else 0.0)
         continue
       need = [st for st in sched.running if st.num_computed < len(st.tokens) - 1]
-      if need:
-        method_state = self._prefill(need, metrics, method_state)
+      # One sequence per prefill call: batching prompts of different lengths would pad
+      # each to the longest (a 40-token prompt next to a 1334-token one costs 1334).
+      for st in need:
+        method_state = self._prefill([st], metrics, method_state)
       method_state = self._decode_step(sched, method_state, metrics, start, seen_by_method)
     metrics.wall_s = time.perf_counter() - start
     c1, s1 = CompileMonitor.snapshot()

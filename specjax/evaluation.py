@@ -3,8 +3,9 @@
 ``run_evaluation(EvalConfig(...))`` is the library call behind
 ``experiments/evaluate.py``. For each batch size it builds one ``Engine`` per method
 (``"ar"``, the reference, always included) on the same target model and request list,
-runs the workload once untimed per engine with at most ``warmup_tokens`` new tokens
-per request (warm-up: it compiles the prefill and early decode buckets; decode buckets
+runs a warm-up subset of the workload (one request per prefill-length bucket, at least
+a batch of them; ``_warmup_subset``) untimed per engine with at most ``warmup_tokens``
+new tokens per request (warm-up: it compiles the prefill and early decode buckets; decode buckets
 first reached later compile in the measured pass, where those steps are flagged and
 left out of the timings),
 then ``repeats`` measured passes. Each measured pass of each method gives one row.
@@ -23,7 +24,10 @@ Definitions (per row; see ``specjax.metrics``):
   counts host time between steps and, online, idle time waiting for arrivals).
 - ``lossless`` (greedy runs of SD methods only; None otherwise): True iff every
   request's output ids equal AR's; ``num_mismatched`` counts the requests that differ
-  and ``first_divergence`` maps each of them to the first differing output position.
+  and ``first_divergence`` maps each of them to the first differing output position;
+  ``divergence_margins`` gives the target's top-2 logit margin there (recomputed for
+  AR's context, ``specjax.divergence``) and ``max_divergence_margin`` the largest: in
+  f32 with highest precision there should be none; in bf16 each should be a near-tie.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ import pandas as pd
 from methods.registry import make_method
 from pallas_kernels.paged_attention import resolve_implementation
 from specjax.config import EngineConfig, SamplingParams
-from specjax.engine import Engine
+from specjax.divergence import divergence, first_divergence
+from specjax.engine import Engine, bucket
 from specjax.metrics import RunMetrics, matched_c, summarize
 from specjax.request import Request
 from specjax.steps import split_model
@@ -107,7 +112,7 @@ class EvalConfig:
     request_rate: requests/s of Poisson arrivals (online mode); None = offline (all
       requests at once, ``max_num_seqs`` of them running at a time).
     dtype: "float32" or "bfloat16" for the models.
-    warmup: run the workload once untimed per engine before measuring.
+    warmup: run a warm-up subset of the workload untimed per engine before measuring.
     warmup_tokens: max new tokens per request in that warm-up pass (None: the full
       ``max_new_tokens``). A short warm-up compiles every prefill bucket and the early
       decode buckets; buckets first reached later compile inside the measured pass,
@@ -197,17 +202,6 @@ def default_output_dir(root: str = "results") -> str:
   return os.path.join(root, datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-  """First index where two token lists differ (a length difference counts); None if equal.
-
-  Example: ``[5, 6, 7]`` vs ``[5, 6, 9, 1]`` -> 2; ``[5, 6]`` vs ``[5, 6, 7]`` -> 2.
-  """
-  for i, (x, y) in enumerate(zip(a, b)):
-    if x != y:
-      return i
-  return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def _decode_s(m: RunMetrics) -> float:
   return sum(s.step_s for s in m.steady_steps()) + m.prefill_s
 
@@ -248,6 +242,27 @@ def _make_requests(cfg: EvalConfig, prompt_ids: list[tuple[int, ...]], prompts) 
               if cfg.request_rate is not None else np.zeros(len(prompts)))
   return [Request(p.id, ids, sampling, float(t))
           for p, ids, t in zip(prompts, prompt_ids, arrivals)]
+
+
+def _warmup_subset(requests: Sequence[Request], min_count: int, min_prefill_bucket: int,
+                   max_model_len: int) -> list[Request]:
+  """The requests the warm-up pass runs: the first request of each prefill-length bucket
+  (so every prefill shape the workload needs compiles), then the next ones in order
+  until there are ``min_count`` (so the largest batch's decode shapes compile too).
+  E.g. prompt lengths [40, 41, 700, 45, 1300] with min_count 2 -> the 40, 700 and 1300
+  ones. Prefill dominates a CPU warm-up, so 24 Spec-Bench prompts warm up with 7."""
+  chosen, seen = [], set()
+  for r in requests:
+    b = bucket(max(len(r.prompt_token_ids) - 1, 1), max_model_len, min_prefill_bucket)
+    if b not in seen:
+      seen.add(b)
+      chosen.append(r)
+  for r in requests:
+    if len(chosen) >= min_count:
+      break
+    if r not in chosen:
+      chosen.append(r)
+  return sorted(chosen, key=requests.index)
 
 
 def _resolve_max_model_len(cfg: EvalConfig, prompts, prompt_ids, context: int) -> int:
@@ -340,6 +355,7 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
                                    if isinstance(cfg.attention_implementation, tuple)
                                    else cfg.attention_implementation),
       "jax_version": jax.__version__,
+      "layer_execution": "unrolled",  # split_model's default (models.llama.unstack_layer_params)
       "matmul_precision": cfg.matmul_precision or "default",
   }
   greedy = cfg.temperature == 0
@@ -347,9 +363,10 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   warm_tokens = min(cfg.max_new_tokens, cfg.warmup_tokens or cfg.max_new_tokens)
   warm_requests = [
       dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_tokens=warm_tokens))
-      for r in requests
+      for r in _warmup_subset(requests, max(cfg.batch_sizes), EngineConfig.min_prefill_bucket,
+                              max_model_len)
   ]
-  warm_budget = len(requests) * warm_tokens
+  warm_budget = len(warm_requests) * warm_tokens
   passes_tokens = len(cfg.batch_sizes) * len(methods) * (
       cfg.repeats * budget + int(cfg.warmup) * warm_budget)
   rows: list[dict] = []
@@ -386,7 +403,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
         measure_s += time.perf_counter() - t0
         ar_outs, ar_metrics = results["ar"]
         for name, (outs, met) in results.items():
-          row, diverged = _row(name, methods[name], outs, met, ar_outs, ar_metrics, greedy)
+          row, diverged = _row(name, methods[name], outs, met, ar_outs, ar_metrics, greedy,
+                                target_split)
           rows.append({**static, "draft": cfg.draft if name in needs_draft else None,
                        "batch_size": batch, "repeat": rep, **row})
           output_records.extend(
@@ -413,7 +431,7 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   return df
 
 
-def _row(name, method, outs, met, ar_outs, ar_metrics, greedy) -> tuple[dict, dict]:
+def _row(name, method, outs, met, ar_outs, ar_metrics, greedy, target) -> tuple[dict, dict]:
   k = method.num_speculative_tokens
   s = summarize(met, outs, k)
   c, share = matched_c(met, ar_metrics)
@@ -422,10 +440,11 @@ def _row(name, method, outs, met, ar_outs, ar_metrics, greedy) -> tuple[dict, di
   lossless = None
   if greedy and name != "ar":
     for o, ref in zip(outs, ar_outs):
-      pos = first_divergence(o.output_token_ids, ref.output_token_ids)
-      if pos is not None:
-        diverged[o.request_id] = pos
+      d = divergence(target, ref.prompt_token_ids, ref.output_token_ids, o.output_token_ids)
+      if d is not None:
+        diverged[o.request_id] = d
     lossless = not diverged
+  margins = [d.margin for d in diverged.values()]
   row = {
       "method": name,
       "method_config": json.dumps(method.describe(), sort_keys=True, default=str),
@@ -442,7 +461,10 @@ def _row(name, method, outs, met, ar_outs, ar_metrics, greedy) -> tuple[dict, di
       "decode_s": decode_s,
       "lossless": lossless,
       "num_mismatched": len(diverged) if lossless is not None else None,
-      "first_divergence": json.dumps({str(r): p for r, p in diverged.items()}),
+      "first_divergence": json.dumps({str(r): d.position for r, d in diverged.items()}),
+      # the target's top-2 logit margin at each divergence (near 0: a rounding near-tie)
+      "divergence_margins": json.dumps({str(r): round(d.margin, 6) for r, d in diverged.items()}),
+      "max_divergence_margin": max(margins) if margins else None,
       **{key: v for key, v in s.items() if key not in ("tau", "acceptance_rate")},
   }
   return row, diverged
@@ -457,6 +479,7 @@ def _output_record(method, batch, rep, out, prompt, diverged) -> dict:
       "category": prompt.category,
       "subcategory": prompt.subcategory,
       "prompt_tokens": len(out.prompt_token_ids),
+      "prompt_token_ids": list(out.prompt_token_ids),
       "output_token_ids": out.output_token_ids,
       "text": out.text,
       "finish_reason": out.finish_reason,
@@ -466,8 +489,16 @@ def _output_record(method, batch, rep, out, prompt, diverged) -> dict:
       "ttft_s": out.ttft_s,
       "tpot_s": out.tpot_s,
       "latency_s": out.latency_s,
-      "first_divergence": diverged.get(out.request_id),
+      **_divergence_record(diverged.get(out.request_id)),
   }
+
+
+def _divergence_record(d) -> dict:
+  if d is None:
+    return {"first_divergence": None}
+  return {"first_divergence": d.position, "divergence_margin": d.margin,
+          "divergence_tokens": [d.reference_token, d.other_token],
+          "target_top2": [d.top1_token, d.top2_token]}
 
 
 _LEADING = [

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
+from models.llama import unstack_layer_params
 from specjax.batch import AttentionMetadata
 from specjax.verify import rejection_sample
 
@@ -26,8 +27,18 @@ class SplitModel(NamedTuple):
   params: Any
 
 
-def split_model(model: nnx.Module) -> SplitModel:
+def split_model(model: nnx.Module, unroll_layers: bool = True) -> SplitModel:
+  """Splits ``model`` once for the jitted steps.
+
+  Args:
+    model: a ``models.llama.Transformer``.
+    unroll_layers: give each layer its own weight arrays so the step runs its layers
+      unrolled (faster steps, slower compiles; see ``models.llama.unstack_layer_params``);
+      False keeps the stacked weights and the layer scan.
+  """
   graphdef, params = nnx.split(model)
+  if unroll_layers:
+    params = unstack_layer_params(params)
   return SplitModel(model.cfg, graphdef, params)
 
 

