@@ -16,6 +16,7 @@ from absl import app, flags
 from methods.training.pipeline import DraftHeadJob, train_draft_head
 from methods.training.trainer import TrainConfig
 from models.heads import HEAD_KINDS
+from models.zoo import HEADS, head_dir
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m", "models.zoo name, .gguf or HF dir.")
 _HEAD = flags.DEFINE_enum("head", "eagle3", list(HEAD_KINDS), "Head type.")
@@ -37,7 +38,26 @@ _SEED = flags.DEFINE_integer("seed", 0, "Init and batch-order seed.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "Held-out evaluation period.")
 _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 25, "Checkpoint period.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target dtype.")
-_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Output directory.", required=True)
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Output directory (or give --head_name).")
+_HEAD_NAME = flags.DEFINE_string(
+    "head_name", None, "A models.zoo.HEADS name: train into the cache so methods load the "
+    "head by name (e.g. --method_option=eagle3.head_path=smollm2-135m-eagle3).")
+
+
+def _output_dir() -> str:
+  """``--output_dir``, or the zoo location of ``--head_name`` (checked against the flags)."""
+  if _HEAD_NAME.value is None:
+    if _OUTPUT_DIR.value is None:
+      raise ValueError("give --output_dir or --head_name")
+    return _OUTPUT_DIR.value
+  spec = HEADS.get(_HEAD_NAME.value)
+  if spec is None:
+    raise ValueError(f"--head_name={_HEAD_NAME.value!r} is not in models.zoo.HEADS "
+                     f"({', '.join(sorted(HEADS))})")
+  if (spec.target, spec.kind) != (_TARGET.value, _HEAD.value):
+    raise ValueError(f"--head_name={_HEAD_NAME.value!r} is a {spec.kind} head for "
+                     f"{spec.target}; got --target={_TARGET.value} --head={_HEAD.value}")
+  return _OUTPUT_DIR.value or head_dir(_HEAD_NAME.value)
 
 
 def config_from_flags() -> DraftHeadJob:
@@ -47,7 +67,7 @@ def config_from_flags() -> DraftHeadJob:
       learning_rate=_LR.value, warmup_steps=_WARMUP.value, depth=_DEPTH.value,
       num_modules=_MODULES.value, window=_WINDOW.value, draft_vocab_size=_DRAFT_VOCAB.value,
       seed=_SEED.value, eval_every=_EVAL_EVERY.value, checkpoint_every=_CKPT_EVERY.value,
-      output_dir=_OUTPUT_DIR.value)
+      output_dir=_output_dir())
   return DraftHeadJob(target=_TARGET.value, data=_DATA.value, num_prompts=_NUM_PROMPTS.value,
                       num_held_out=_NUM_HELD_OUT.value, max_new_tokens=_MAX_NEW.value,
                       max_len=_MAX_LEN.value, gen_batch_size=_GEN_BATCH.value,

@@ -86,7 +86,7 @@ class LearnedHeadMethod(Method):
   Attributes:
     k: draft length (MTP and Medusa: at most the head's ``num_modules``).
     head_path: a head directory written by ``models.heads.save_head`` (or by
-      ``methods.training``). None builds a randomly initialised head (tests, smoke runs).
+      ``methods.training``), or a name in ``models.zoo.HEADS`` (trained into the cache). None builds a randomly initialised head (tests, smoke runs).
     feature_layers: target ``hidden_states`` indices of a random head; None = the
       kind's default for the target (EAGLE-3: low/mid/high, others: the final state).
       Must match the head's when ``head_path`` is given.
@@ -109,8 +109,9 @@ class LearnedHeadMethod(Method):
     if self.feature_layers is not None:
       object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
     if self.head_path is not None:
-      if not os.path.isdir(self.head_path):
-        raise ValueError(f"head_path={self.head_path!r} must be a head directory")
+      from models.zoo import resolve_head_path  # noqa: PLC0415
+
+      object.__setattr__(self, "head_path", resolve_head_path(self.head_path))
       cfg = self._saved_config()
       if cfg.kind != self.kind:
         raise ValueError(f"head at head_path={self.head_path!r} has kind={cfg.kind!r}, "

@@ -402,7 +402,12 @@ def unstack_layer_params(state: nnx.State) -> nnx.State:
   for name, var in list(layers.items()):
     if isinstance(var, nnx.Variable) and not isinstance(var.get_value(), (tuple, list)):
       value = var.get_value()
-      out["layers"][name] = var.replace(tuple(value[i] for i in range(value.shape[0])))
+      if isinstance(value, jax.ShapeDtypeStruct):  # an abstract model (nnx.eval_shape)
+        parts = tuple(jax.ShapeDtypeStruct(value.shape[1:], value.dtype)
+                      for _ in range(value.shape[0]))
+      else:
+        parts = tuple(value[i] for i in range(value.shape[0]))
+      out["layers"][name] = var.replace(parts)
   return out
 
 

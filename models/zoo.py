@@ -384,3 +384,62 @@ def load_model(
     return LoadedModel(key, cfg, model, tok, os.path.abspath(key), None)
   raise ValueError(f"{name_or_path=} must be one of {sorted(MODELS)}, an existing .gguf file, "
                    "or an HF directory with config.json")
+
+
+# ------------------------------------------------------------------ trained draft heads
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+  """A named draft head: trained by ``command`` into ``head_dir(name)``.
+
+  Heads are not shipped in the package (an EAGLE-3 head for SmolLM2 is ~19 MB of f32
+  params, Qwen's ~200 MB); training them is the documented first step, reproducible from
+  the command (seeded data order and init; the target regenerates its own responses).
+  """
+
+  target: str
+  kind: str
+  command: str
+
+
+def _head_command(target: str, kind: str, name: str, extra: str = "") -> str:
+  return (f"python -m experiments.train_draft_head --target={target} --head={kind} "
+          f"--head_name={name} --num_prompts=2048 --steps=800 --batch_size=32 "
+          f"--learning_rate=1e-3 --gen_batch_size=64{extra}")
+
+
+HEADS: dict[str, HeadSpec] = {
+    name: HeadSpec(target, kind, _head_command(target, kind, name, extra))
+    for name, target, kind, extra in [
+        ("smollm2-135m-eagle3", "smollm2-135m", "eagle3", ""),
+        ("smollm2-135m-eagle", "smollm2-135m", "eagle", ""),
+        ("smollm2-135m-mtp", "smollm2-135m", "mtp", " --num_modules=5"),
+        ("smollm2-135m-medusa", "smollm2-135m", "medusa", " --num_modules=5"),
+        ("qwen2.5-coder-1.5b-eagle3", "qwen2.5-coder-1.5b", "eagle3", " --dtype=bfloat16"),
+    ]
+}
+
+
+def head_dir(name: str, cache_dir: str | os.PathLike | None = None) -> str:
+  """Where the named head's training run lives (its ``head/`` subfolder is the head)."""
+  if name not in HEADS:
+    raise ValueError(f"unknown head name {name!r}; known: {', '.join(sorted(HEADS))}")
+  return os.path.join(os.fspath(cache_dir or default_cache_dir()), "heads", name)
+
+
+def resolve_head_path(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
+  """A head directory from a path or a ``HEADS`` name.
+
+  Raises:
+    ValueError: neither an existing directory nor a known name; a known name whose head
+      was not trained yet (the message gives the command that trains it).
+  """
+  if os.path.isdir(name_or_path):
+    return name_or_path
+  if name_or_path not in HEADS:
+    raise ValueError(f"head_path={name_or_path!r} is neither a head directory nor a known head "
+                     f"name ({', '.join(sorted(HEADS))})")
+  path = os.path.join(head_dir(name_or_path, cache_dir), "head")
+  if not os.path.isfile(os.path.join(path, "head_config.json")):
+    raise ValueError(f"head {name_or_path!r} is not trained yet (no {path}); train it with:\n"
+                     f"  {HEADS[name_or_path].command}")
+  return path
