@@ -26,7 +26,8 @@ class Capabilities:
     emits_draft_probs: True if ``Draft.probs`` carries q (needed for stochastic
       verification against a real draft distribution).
     target_hidden_layers: HF ``hidden_states`` indices of the target the method reads.
-    tree: True for tree drafts (parent indices); False for chains.
+    tree: True if the method drafts trees (``Draft.parents``); informational: the
+      engine treats a draft as a tree exactly when it carries ``parents``.
     needs_draft_model: True if the method needs ``--draft``.
   """
 
@@ -43,10 +44,13 @@ class Draft:
 
   Attributes:
     tokens: ``i32[B, L]``, -1 padded.
-    num_tokens: ``i32[B]`` real draft tokens per row (<= the row's budget).
-    probs: optional ``f32[B, L, V]`` draft distributions q (device array).
-    parents: optional ``i32[B, L]`` tree parent indices (-1 = child of the last
-      committed token); None for chains.
+    num_tokens: ``i32[B]`` real draft tokens (tree nodes) per row; the engine keeps at
+      most the row's budget (the first nodes of a tree).
+    probs: optional ``f32[B, L, V]`` draft distributions q (device array): for a tree,
+      the distribution node j's token was drawn from (None when tokens are chosen
+      deterministically, e.g. top-k trees).
+    parents: optional ``i32[B, L]`` tree parent indices (-1 = child of the pending
+      token), parents before children (``specjax.tree``); None for chains.
   """
 
   tokens: np.ndarray
@@ -99,10 +103,12 @@ class VerifyResult:
 
   Attributes:
     request_ids: one per real row.
-    num_accepted: ``i32[rows]`` leading accepted drafts.
+    num_accepted: ``i32[rows]`` leading accepted drafts (tree: accepted path length).
     emitted: per row, the tokens actually committed (after stop truncation).
     finished: request ids that ended this step (their state may be dropped).
-    target_hidden: optional tuple of ``[B, T, D]`` hidden states the method asked for.
+    target_hidden: optional tuple of ``[B, T, D]`` hidden states the method asked for,
+      rows in commit order (trees: row 0 the pending token, row i the accepted node at
+      depth i), so row i belongs to the i-th emitted token's input.
   """
 
   request_ids: list

@@ -12,7 +12,11 @@ committed, the features of the first ``e`` of those rows become valid:
   after:  tokens x_0..x_4 d_1 d_2 b, features f_0..f_3 + hidden rows 0..2 (= f_4..f_6)
 
 Each ``propose`` sends the window (right-aligned: slot ``W - 1`` is ``f_{m-2}`` paired
-with the pending token) to one jitted call that runs the head's ``draft``.
+with the pending token) to one jitted call that runs the head's ``draft`` (a chain of
+k tokens) or, with ``tree_nodes > 0``, its ``draft_tree`` (a tree of that many nodes
+and depth <= k, ``models.head_trees``). Tree steps hand back the accepted path's hidden
+rows in commit order (``VerifyResult.target_hidden``), so the feature bookkeeping above
+is the same for both.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from methods.base import Capabilities, Draft, Method, PrefillResult, VerifyResul
 from models.heads import HeadConfig, load_head, make_head
 from specjax.sampling import STREAM_DRAFT, position_keys, processed_probs, sample_from_probs
 
-__all__ = ["LearnedHeadMethod", "head_draft_step"]
+__all__ = ["LearnedHeadMethod", "head_draft_step", "head_tree_step"]
 
 
 @functools.partial(
@@ -68,6 +72,23 @@ def head_draft_step(head_graphdef, head_state, target_graphdef, target_params, t
   return out, probs
 
 
+@functools.partial(jax.jit, static_argnames=("head_graphdef", "target_graphdef", "depth",
+                                             "branching", "num_nodes"))
+def head_tree_step(head_graphdef, head_state, target_graphdef, target_params, tokens, feats,
+                   num_valid, positions, *, depth, branching, num_nodes):
+  """Runs ``head.draft_tree`` for the padded batch (inputs as ``head_draft_step``).
+
+  Returns:
+    ``(tokens i32[B, num_nodes], parents i32[B, num_nodes])``, parents first. Tree
+    tokens are chosen deterministically (top-k), so no draft probabilities: the
+    verifier's q is one-hot, which keeps stochastic verification lossless.
+  """
+  head = nnx.merge(head_graphdef, head_state)
+  target = nnx.merge(target_graphdef, target_params)
+  return head.draft_tree(target, tokens, feats, num_valid, positions, depth, branching,
+                         num_nodes)
+
+
 @dataclasses.dataclass
 class _State:
   target: object  # SplitModel
@@ -81,10 +102,11 @@ class _State:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LearnedHeadMethod(Method):
-  """Chain drafting with a learned head (subclasses set ``kind``).
+  """Chain or tree drafting with a learned head (subclasses set ``kind``).
 
   Attributes:
-    k: draft length (MTP and Medusa: at most the head's ``num_modules``).
+    k: draft length, or a tree's most depth (MTP and Medusa: at most the head's
+      ``num_modules``).
     head_path: a head directory written by ``models.heads.save_head`` (or by
       ``methods.training``), or a name in ``models.zoo.HEADS`` (trained into the cache). None builds a randomly initialised head (tests, smoke runs).
     feature_layers: target ``hidden_states`` indices of a random head; None = the
@@ -92,6 +114,10 @@ class LearnedHeadMethod(Method):
       Must match the head's when ``head_path`` is given.
     window: attention window of a random head.
     seed: initialisation seed of a random head.
+    tree_nodes: 0 drafts a chain of k tokens; n > 0 drafts a tree of n nodes and depth
+      <= k (kinds whose ``max_tree_nodes`` is > 0: EAGLE-2 trees for EAGLE/EAGLE-3,
+      candidate trees for Medusa). The verify step then holds n + 1 tokens.
+    tree_branching: children per expanded tree node (top-k of the head).
   """
 
   kind: ClassVar[str]
@@ -100,12 +126,27 @@ class LearnedHeadMethod(Method):
   feature_layers: tuple[int, ...] | None = None
   window: int = 64
   seed: int = 0
+  tree_nodes: int = 0
+  tree_branching: int = 4
 
   def __post_init__(self):
     if self.k < 1:
       raise ValueError(f"num_speculative_tokens k={self.k} must be >= 1")
     if self.window < 1:
       raise ValueError(f"window={self.window} must be >= 1")
+    if self.tree_nodes < 0:
+      raise ValueError(f"tree_nodes={self.tree_nodes} must be >= 0 (0 drafts a chain)")
+    if self.tree_branching < 1:
+      raise ValueError(f"tree_branching={self.tree_branching} must be >= 1")
+    if self.tree_nodes:
+      capacity = self.max_tree_nodes()
+      if capacity == 0:
+        raise ValueError(f"method {self.name!r} drafts chains only: tree_nodes="
+                         f"{self.tree_nodes} must be 0")
+      if self.tree_nodes > capacity:
+        raise ValueError(f"tree_nodes={self.tree_nodes} must be <= {capacity}, the "
+                         f"candidates of a depth k={self.k}, tree_branching="
+                         f"{self.tree_branching} tree")
     if self.feature_layers is not None:
       object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
     if self.head_path is not None:
@@ -127,14 +168,21 @@ class LearnedHeadMethod(Method):
     with open(os.path.join(self.head_path, "head_config.json")) as f:
       return HeadConfig.from_json(f.read())
 
+  def max_tree_nodes(self) -> int:
+    """Most tree nodes this kind can draft with ``k`` and ``tree_branching`` (0: chains
+    only). Subclasses with a head ``draft_tree`` override it."""
+    return 0
+
   @property
   def num_speculative_tokens(self) -> int:
-    return self.k
+    return self.tree_nodes or self.k
 
   def capabilities(self) -> Capabilities:
     layers = (self._saved_config().feature_layers if self.head_path is not None
               else self.feature_layers)
-    return Capabilities(runs_on="device", emits_draft_probs=True, target_hidden_layers=layers)
+    tree = self.tree_nodes > 0
+    return Capabilities(runs_on="device", emits_draft_probs=not tree,
+                        target_hidden_layers=layers, tree=tree)
 
   def head_config(self, target_config) -> HeadConfig:
     """Config of the random head built when ``head_path`` is None."""
@@ -220,8 +268,17 @@ class LearnedHeadMethod(Method):
       feats[i, width - n:] = f
       tokens[i, width - n:] = seq[m - n:]
       num_valid[i], positions[i], draft_positions[i] = n, m - 2, m
-    all_greedy = bool(np.all(ctx.temperature[:rows] == 0))
     target = state.target
+    if self.tree_nodes:
+      out, parents = head_tree_step(
+          state.head_graphdef, state.head_state, target.graphdef, target.params, tokens, feats,
+          num_valid, positions, depth=self.k, branching=self.tree_branching,
+          num_nodes=self.tree_nodes)
+      out, parents = np.array(out)[:rows], np.array(parents)[:rows]
+      num = np.minimum(budgets, self.tree_nodes).astype(np.int32)
+      keep = np.arange(self.tree_nodes)[None] < num[:, None]  # rank order: a prefix is a tree
+      return state, Draft(np.where(keep, out, -1), num, parents=np.where(keep, parents, -1))
+    all_greedy = bool(np.all(ctx.temperature[:rows] == 0))
     out, probs = head_draft_step(
         state.head_graphdef, state.head_state, target.graphdef, target.params, tokens, feats,
         num_valid, positions, ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys,

@@ -56,6 +56,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
+from models.head_trees import eagle2_tree, medusa_tree
 from models.layers import apply_rope, rms_norm, rope_inv_freq
 
 __all__ = [
@@ -426,6 +427,15 @@ class EagleHead(nnx.Module):
     _, (toks, probs) = jax.lax.scan(step, carry, jnp.arange(num_steps))
     return toks.T, (None if probs is None else jnp.moveaxis(probs, 0, 1))
 
+  def draft_tree(self, target, tokens, feats, num_valid, positions, depth: int,
+                 branching: int, num_nodes: int):
+    """EAGLE-2 dynamic tree (``models.head_trees.eagle2_tree``); inputs as ``draft``.
+
+    Returns ``(tokens i32[B, num_nodes], parents i32[B, num_nodes])``, parents first.
+    """
+    return eagle2_tree(self, target, tokens, feats, num_valid, positions, depth, branching,
+                       num_nodes)
+
   # -- training
   def train_logits(self, target, g, depth: int):
     """Depth ``depth``'s output ``[B, T, D]`` -> draft-vocabulary logits."""
@@ -597,6 +607,19 @@ class MedusaHead(nnx.Module):
       out_tokens.append(tok)
       out_probs.append(probs)
     return _stack(out_tokens, out_probs)
+
+  def draft_tree(self, target, tokens, feats, num_valid, positions, depth: int,
+                 branching: int, num_nodes: int):
+    """Medusa candidate tree (``models.head_trees.medusa_tree``); inputs as ``draft``.
+
+    Returns ``(tokens i32[B, num_nodes], parents i32[B, num_nodes])``, parents first.
+
+    Raises:
+      ValueError: ``depth`` exceeds ``num_modules``.
+    """
+    if depth > self.cfg.num_modules:
+      raise ValueError(f"{depth=} must be <= num_modules={self.cfg.num_modules}")
+    return medusa_tree(self, target, feats, depth, branching, num_nodes)
 
   def train_logits(self, target, h, depth: int):
     return target.lm_logits(h)

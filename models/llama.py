@@ -147,7 +147,8 @@ def _decoder_block(cfg: ModelConfig, layer: int | jax.Array, p: Mapping[str, jax
   def attend(window, q, kv_pages):
     return paged_attention(
         q, kv_pages, meta.page_indices, meta.kv_lens, meta.q_lens, sm_scale=cfg.sm_scale,
-        sliding_window=window, tree_mask=meta.tree_mask, implementation=implementation,
+        sliding_window=window, tree_mask=meta.tree_mask, positions=meta.positions,
+        implementation=implementation,
     )
 
   static = isinstance(layer, (int, np.integer))
@@ -308,7 +309,9 @@ class Transformer(nnx.Module):
       raise ValueError(f"kv_caches must be one [num_layers * num_pages, page_size, "
                        f"{2 * cfg.num_kv_heads}, {cfg.head_dim}] array from init_kv_caches "
                        f"({num_layers=}); got {shape or type(kv_caches).__name__}")
-    positions = query_positions(meta.kv_lens, meta.q_lens, tokens.shape[1])
+    positions = meta.positions
+    if positions is None:
+      positions = query_positions(meta.kv_lens, meta.q_lens, tokens.shape[1])
     x = self.embed_tokens(tokens)
     hidden = {0: x}
 

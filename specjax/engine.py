@@ -5,6 +5,10 @@ prompt token stays pending), asks the method for drafts, runs one target forward
 ``[pending, d_1 .. d_L]`` per row, verifies with the shared rejection sampler, and
 commits tokens one by one with the stop rules. Offline (all arrivals at 0) and online
 (Poisson arrival times) runs share all of it.
+
+A draft with ``parents`` is a tree (``specjax.tree``): the forward gets a tree mask and
+depth positions, the tree sampler picks a path, and the path's KV (and hidden states)
+are moved into commit order; the method never says which kind it is.
 """
 
 from __future__ import annotations
@@ -31,7 +35,16 @@ from specjax.request import (
 )
 from specjax.sampling import request_key
 from specjax.scheduler import Scheduler
-from specjax.steps import SplitModel, forward_step, split_model, verify_step
+from specjax.steps import (
+    SplitModel,
+    forward_step,
+    gather_rows,
+    move_kv_step,
+    split_model,
+    tree_verify_step,
+    verify_step,
+)
+from specjax.tree import node_depths, path_moves, tree_mask, tree_positions, validate_tree
 
 __all__ = ["Engine", "bucket"]
 
@@ -252,6 +265,7 @@ class Engine:
     num_draft = np.zeros(batch, np.int32)
     num_draft[: len(rows)] = np.minimum(draft.num_tokens, ctx.budgets)
     length = self.k if num_draft.any() else 0
+    is_tree = draft.parents is not None and length > 0
     tokens = np.zeros((batch, length + 1), np.int32)
     draft_tokens = np.full((batch, length), -1, np.int32)
     q_lens = np.zeros(batch, np.int32)
@@ -266,6 +280,16 @@ class Engine:
       kv_lens[i] = len(st.tokens) + n
       positions[i] = len(st.tokens)
     meta = AttentionMetadata(table, kv_lens, q_lens)
+    parents = reach = None
+    if is_tree:
+      parents = np.full((batch, length), -1, np.int32)
+      for i in range(len(rows)):
+        parents[i, : num_draft[i]] = draft.parents[i, : num_draft[i]]
+      validate_tree(parents, num_draft)
+      meta = AttentionMetadata(
+          table, kv_lens, q_lens, tree_mask=tree_mask(parents, num_draft, length + 1),
+          positions=tree_positions(parents, num_draft, np.maximum(positions - 1, 0), length + 1))
+      reach = node_depths(parents, num_draft).max(axis=1)
     logits_idx = np.broadcast_to(np.arange(length + 1, dtype=np.int32), (batch, length + 1))
     self.kv_caches, logits, hidden = forward_step(
         self.target.graphdef, self.target.params, self.kv_caches, tokens, meta, logits_idx,
@@ -279,8 +303,14 @@ class Engine:
       probs = draft.probs[:, :length] if draft.probs.shape[0] == batch else None
       assert probs is not None, "draft probs must be [B, L, V] for the padded batch"
     all_greedy = all(st.request.sampling.greedy for st in rows)
-    out, acc = verify_step(logits, draft_tokens, num_draft, probs, temp, top_k, top_p, keys,
-                           positions, all_greedy=all_greedy)
+    if is_tree:
+      out, acc, nodes = tree_verify_step(logits, draft_tokens, parents, num_draft, probs, temp,
+                                         top_k, top_p, keys, positions, all_greedy=all_greedy)
+      hidden = self._commit_tree_path(np.asarray(nodes), np.asarray(acc), positions, table,
+                                      hidden)
+    else:
+      out, acc = verify_step(logits, draft_tokens, num_draft, probs, temp, top_k, top_p, keys,
+                             positions, all_greedy=all_greedy)
     out, acc = np.asarray(out), np.asarray(acc)
     t3 = time.perf_counter()
     now = t3 - start
@@ -290,7 +320,7 @@ class Engine:
     n_emitted = 0
     for i, st in enumerate(rows):
       a, n = int(acc[i]), int(num_draft[i])
-      drafted_pos[:n] += 1
+      drafted_pos[: n if reach is None else reach[i]] += 1  # rows reaching each depth
       emitted = []
       for tok in out[i, : a + 1]:
         emitted.append(int(tok))
@@ -330,6 +360,30 @@ class Engine:
     return method_state
 
   _progress = None
+
+  def _commit_tree_path(self, nodes, num_accepted, positions, table, hidden):
+    """Moves the accepted tree path's KV to ``root + depth`` and returns the step's
+    hidden states with the path's rows in commit order (root, depth 1, 2, ..).
+
+    Args:
+      nodes: ``i32[B, L]`` accepted node indices by depth (-1 padded).
+      num_accepted: ``i32[B]``.
+      positions: ``i32[B]`` the verify positions (root position + 1).
+      table: the step's page table.
+      hidden: tuple of ``[B, L+1, D]`` (may be empty).
+    """
+    starts = np.maximum(positions - 1, 0)
+    src, dst, any_move = path_moves(nodes, num_accepted, starts)
+    if any_move:
+      self.kv_caches = move_kv_step(self.kv_caches, table, src, dst,
+                                    num_layers=self.target.config.num_layers)
+    if not hidden:
+      return hidden
+    batch, length = nodes.shape
+    rows = np.broadcast_to(np.arange(length + 1, dtype=np.int32), (batch, length + 1)).copy()
+    on_path = np.arange(length)[None] < num_accepted[:, None]
+    rows[:, 1:] = np.where(on_path, nodes + 1, rows[:, 1:])
+    return gather_rows(tuple(hidden), rows)
 
   def _output(self, st: RequestState, start: float) -> RequestOutput:
     arrival = st.request.arrival_time

@@ -64,11 +64,11 @@ class StepRecord:
   batch_bucket: int
   query_bucket: int  # T = L + 1
   pages_bucket: int
-  num_draft_tokens: int
+  num_draft_tokens: int  # trees: nodes
   num_accepted: int
   num_emitted: int
-  accepted_per_position: np.ndarray  # i32[k]: rows whose draft j was accepted
-  drafted_per_position: np.ndarray  # i32[k]: rows with a draft at position j
+  accepted_per_position: np.ndarray  # i32[k]: rows whose draft j (tree: depth j+1) was accepted
+  drafted_per_position: np.ndarray  # i32[k]: rows with a draft at position j (tree: depth j+1)
   draft_s: float
   verify_s: float
   rejection_s: float

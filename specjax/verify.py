@@ -1,4 +1,4 @@
-"""The shared lossless rejection sampler (chain drafts).
+"""The shared lossless rejection sampler (chain and tree drafts).
 
 Greedy: accept the longest draft prefix equal to the target argmax, then emit the
 target argmax (recovered token at the first mismatch, bonus token if all match).
@@ -9,6 +9,13 @@ target and draft distributions after the same temperature/top-k/top-p; q(d) = 0
 rejects. At the first rejection sample the recovered token from
 normalize(max(0, p_j - q_j)); if every draft is accepted sample the bonus token from
 p_L. Without draft probabilities q is the one-hot of the draft token.
+
+Tree drafts (``tree_rejection_sample``) follow SpecInfer's multi-candidate recursive
+rejection sampling (Miao et al. 2024, "SpecInfer: Accelerating Large Language Model
+Serving with Tree-based Speculative Inference and Verification", Alg. 2); the trees
+themselves come from drafters such as EAGLE-2's dynamic trees (Li et al. 2024) or
+Sequoia (Chen et al. 2024). A chain is the one-branch tree and gets exactly the chain
+sampler's tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from specjax.sampling import (
     sample_from_probs,
 )
 
-__all__ = ["rejection_sample", "greedy_verify"]
+__all__ = ["greedy_tree_verify", "greedy_verify", "rejection_sample", "tree_rejection_sample"]
 
 
 def _leading_run(ok: jax.Array) -> jax.Array:
@@ -123,3 +130,171 @@ def rejection_sample(
   out = jnp.where(greedy_row, greedy_out, out)
   accepted = jnp.where(greedy_row[:, 0], greedy_acc, accepted)
   return out, accepted
+
+
+# ------------------------------------------------------------------ trees
+def _depths_and_ranks(parents, valid):
+  """``(depth i32[B, L], rank i32[B, L])``: depth 1 for children of the root; rank =
+  how many earlier real nodes share the parent (0 = first child)."""
+  batch, length = parents.shape
+
+  def body(j, depth):
+    par = parents[:, j]
+    above = jnp.take_along_axis(depth, jnp.maximum(par, 0)[:, None], axis=1)[:, 0]
+    return depth.at[:, j].set(jnp.where(par < 0, 1, above + 1))
+
+  depth = jax.lax.fori_loop(0, length, body, jnp.zeros((batch, length), jnp.int32))
+  same = (parents[:, :, None] == parents[:, None, :]) & valid[:, None, :]  # [B, j, i]
+  earlier = jnp.arange(length)[None, :] < jnp.arange(length)[:, None]  # i < j
+  return depth, jnp.sum(same & earlier[None], axis=-1).astype(jnp.int32)
+
+
+def _record(path, num, accept, j):
+  """Writes node ``j`` at ``path[b, num[b]]`` where ``accept[b]``."""
+  at = jnp.arange(path.shape[1])[None] == num[:, None]
+  return jnp.where(accept[:, None] & at, j, path)
+
+
+def _path_output(draft_tokens, path, num_accepted, last_token):
+  """``output_tokens i32[B, L+1]``: the path's tokens, then ``last_token``, then -1."""
+  path_tokens = jnp.take_along_axis(draft_tokens, jnp.maximum(path, 0), axis=1)
+  return _assemble(path_tokens, num_accepted, last_token)
+
+
+def greedy_tree_verify(target_logits, draft_tokens, parents, num_draft):
+  """Greedy tree verification: from the root, repeatedly accept the first child whose
+  token equals the target argmax at its parent.
+
+  Args:
+    target_logits: ``f32[B, L+1, V]``; row 0 is the root, row ``j + 1`` node j.
+    draft_tokens: ``i32[B, L]`` node tokens (-1 padded).
+    parents: ``i32[B, L]`` (-1 = child of the root; parents before children).
+    num_draft: ``i32[B]`` real nodes per row.
+
+  Returns:
+    ``(output_tokens i32[B, L+1], num_accepted i32[B], accepted_nodes i32[B, L])``:
+    the accepted path's tokens then the target argmax after it (-1 padded), its length,
+    and its node indices by depth (-1 padded).
+  """
+  batch, length = draft_tokens.shape
+  argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, L+1]
+  valid = jnp.arange(length)[None] < num_draft[:, None]
+
+  # One pass in node order suffices: the children of the current node all come after
+  # it, and once a child is accepted its later siblings are no longer children of the
+  # current node.
+  def step(carry, xs):
+    cur, num, path = carry
+    j, tok, par, ok = xs
+    want = jnp.take_along_axis(argmax, cur[:, None], axis=1)[:, 0]
+    accept = ok & (par + 1 == cur) & (tok == want)
+    path = _record(path, num, accept, j)
+    return (jnp.where(accept, j + 1, cur), num + accept, path), None
+
+  init = (jnp.zeros(batch, jnp.int32), jnp.zeros(batch, jnp.int32),
+          jnp.full((batch, length), -1, jnp.int32))
+  xs = (jnp.arange(length, dtype=jnp.int32), draft_tokens.T, parents.T, valid.T)
+  (cur, num, path), _ = jax.lax.scan(step, init, xs)
+  last = jnp.take_along_axis(argmax, cur[:, None], axis=1)[:, 0]
+  return _path_output(draft_tokens, path, num, last), num, path
+
+
+def tree_rejection_sample(
+    target_logits: jax.Array,
+    draft_tokens: jax.Array,
+    parents: jax.Array,
+    num_draft: jax.Array,
+    draft_probs: jax.Array | None,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    keys: jax.Array,
+    positions: jax.Array,
+    *,
+    all_greedy: bool,
+):
+  """Lossless verification of tree drafts (SpecInfer's recursive rejection sampling).
+
+  At the current node with target distribution r (initially p at the node), its
+  children c_1, c_2, .. are tried in node order: child c with token x and draft
+  distribution q_c is accepted with probability min(1, r(x) / q_c(x)) (q_c(x) = 0
+  rejects); acceptance moves to c with r = p at c. A rejection replaces r by
+  normalize(max(0, r - q_c)) and tries the next child. When no child is left, the
+  recovered (after a rejection) or bonus token is sampled from r. Each stage is one
+  speculative-sampling step whose fallback is the next stage, so the emitted tokens
+  follow p exactly whenever each child's token was drawn from its q_c given the
+  earlier siblings, e.g. i.i.d. from the parent's draft distribution, or chosen
+  deterministically (top-k trees: pass no probabilities, q_c = one-hot of x, and the
+  residual just removes x). Greedy rows (temperature 0) use ``greedy_tree_verify``.
+
+  Randomness: the uniform of a node at depth d and sibling rank r uses
+  ``fold_in(request_key, positions + d - 1)`` on the accept stream, folded once more
+  with r when r > 0 (so a one-branch tree draws exactly the chain sampler's numbers);
+  the final token uses ``positions + num_accepted`` on the sample stream.
+
+  Args:
+    target_logits: ``f32[B, L+1, V]``; row 0 is the root, row ``j + 1`` node j.
+    draft_tokens: ``i32[B, L]``, -1 padded.
+    parents: ``i32[B, L]`` parent node (-1 = the root), parents before children.
+    num_draft: ``i32[B]`` real nodes per row.
+    draft_probs: ``f32[B, L, V]``: the distribution node j's token was drawn from
+      (after the same sampling processing as the target), or None (one-hot).
+    temperature, top_k, top_p: ``[B]`` per-request sampling parameters.
+    keys: ``u32[B, 2]`` request keys.
+    positions: ``i32[B]`` absolute position of the token predicted by
+      ``target_logits[:, 0]`` (a node at depth d predicts position ``positions + d``).
+    all_greedy: static; True skips the stochastic path entirely.
+
+  Returns:
+    ``(output_tokens i32[B, L+1], num_accepted i32[B], accepted_nodes i32[B, L])`` as
+    ``greedy_tree_verify``; row b emits ``output_tokens[b, :num_accepted[b] + 1]``.
+  """
+  greedy = greedy_tree_verify(target_logits, draft_tokens, parents, num_draft)
+  if all_greedy:
+    return greedy
+  batch, length = draft_tokens.shape
+  vocab = target_logits.shape[-1]
+  p = processed_probs(target_logits, temperature, top_k, top_p)  # [B, L+1, V]
+  valid = jnp.arange(length)[None] < num_draft[:, None]
+  depth, rank = _depths_and_ranks(parents, valid)
+
+  def uniform(key, pos, r):
+    k = jax.random.fold_in(jax.random.fold_in(key, pos), STREAM_ACCEPT)
+    k = jnp.where(r > 0, jax.random.fold_in(k, r), k)
+    return jax.random.uniform(k, (), jnp.float32)
+
+  u = jax.vmap(jax.vmap(uniform, (None, 0, 0)))(keys, positions[:, None] + depth - 1, rank)
+  safe = jnp.maximum(draft_tokens, 0)
+
+  def step(carry, xs):
+    cur, num, path, r, rejected = carry
+    j, tok, par, ok, u_j, q_j = xs
+    q = jax.nn.one_hot(tok, vocab, dtype=jnp.float32) if q_j is None else q_j
+    r_x = jnp.take_along_axis(r, tok[:, None], axis=1)[:, 0]
+    q_x = jnp.take_along_axis(q, tok[:, None], axis=1)[:, 0]
+    is_child = ok & (par + 1 == cur)
+    accept = is_child & (q_x > 0) & (u_j * q_x < r_x)
+    reject = is_child & ~accept
+    residual = jnp.maximum(r - q, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    r_rejected = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), r)
+    p_child = jax.lax.dynamic_index_in_dim(p, j + 1, axis=1, keepdims=False)
+    r = jnp.where(accept[:, None], p_child, jnp.where(reject[:, None], r_rejected, r))
+    path = _record(path, num, accept, j)
+    carry = (jnp.where(accept, j + 1, cur), num + accept, path, r,
+             (rejected | reject) & ~accept)
+    return carry, None
+
+  q_xs = None if draft_probs is None else jnp.moveaxis(draft_probs.astype(jnp.float32), 1, 0)
+  init = (jnp.zeros(batch, jnp.int32), jnp.zeros(batch, jnp.int32),
+          jnp.full((batch, length), -1, jnp.int32), p[:, 0], jnp.zeros(batch, bool))
+  xs = (jnp.arange(length, dtype=jnp.int32), safe.T, parents.T, valid.T, u.T, q_xs)
+  (_, num, path, r, rejected), _ = jax.lax.scan(step, init, xs)
+  mass = jnp.sum(r, axis=-1, keepdims=True)
+  bonus = jnp.where(mass > 0, r / jnp.where(mass > 0, mass, 1.0), r)
+  dist = jnp.where(rejected[:, None], r, bonus)
+  last = sample_from_probs(dist, position_keys(keys, positions + num, STREAM_SAMPLE))
+  out = _path_output(draft_tokens, path, num, last)
+  greedy_row = temperature == 0
+  return (jnp.where(greedy_row[:, None], greedy[0], out), jnp.where(greedy_row, greedy[1], num),
+          jnp.where(greedy_row[:, None], greedy[2], path))

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import jax
 
 from pallas_kernels.paged_attention.reference import (
+    copy_kv,
     kv_cache_shape,
     paged_attention_reference,
     query_positions,
@@ -20,6 +21,7 @@ from pallas_kernels.paged_attention.reference import (
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "copy_kv",
     "kv_cache_shape",
     "paged_attention",
     "query_positions",
@@ -71,6 +73,7 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     tree_mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
     implementation: str | Sequence[str] = "reference",
 ) -> jax.Array:
   """Causal paged attention; see ``reference.paged_attention_reference`` for shapes.
@@ -85,6 +88,7 @@ def paged_attention(
       return _backend(name)(
           q, kv_pages, page_indices, kv_lens, q_lens,
           sm_scale=sm_scale, sliding_window=sliding_window, tree_mask=tree_mask,
+          positions=positions,
       )
     except NotImplementedError as e:  # only "this backend can't do these shapes"
       errors.append(f"{name}: {e}")

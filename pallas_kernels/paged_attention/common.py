@@ -19,6 +19,7 @@ import jax.numpy as jnp
 __all__ = [
     "MAX_TREE_TOKENS",
     "check_inputs",
+    "check_slot_window",
     "from_row_tiles",
     "row_tree_bits",
     "to_row_tiles",
@@ -28,7 +29,8 @@ __all__ = [
 MAX_TREE_TOKENS = 31  # bits of a non-negative i32 word
 
 
-def check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tree_mask) -> None:
+def check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tree_mask,
+                 positions=None) -> None:
   """Static (shape and dtype) validation; raises ``ValueError`` for caller errors."""
   if q.ndim != 4:
     raise ValueError(f"{q.shape=} must be [B, T, N, H]")
@@ -49,6 +51,21 @@ def check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tre
     raise ValueError(f"{sliding_window=} must be None or >= 1")
   if tree_mask is not None and tree_mask.shape != (batch, num_tokens, num_tokens):
     raise ValueError(f"{tree_mask.shape=} must be ({batch}, {num_tokens}, {num_tokens})")
+  if positions is not None and positions.shape != (batch, num_tokens):
+    raise ValueError(f"{positions.shape=} must be ({batch}, {num_tokens})")
+
+
+def check_slot_window(name: str, sliding_window, positions) -> None:
+  """Kernels measure the sliding window from KV slots; explicit query positions (tree
+  verification, where a token's position is its depth, not its slot) with a window are
+  left to the reference.
+
+  Raises:
+    NotImplementedError: both ``sliding_window`` and ``positions`` are set.
+  """
+  if sliding_window is not None and positions is not None:
+    raise NotImplementedError(f"{name} measures the sliding window from KV slots; explicit "
+                              "query positions with a window need the reference")
 
 
 def to_row_tiles(q: jax.Array, num_kv_heads: int, rows: int) -> jax.Array:

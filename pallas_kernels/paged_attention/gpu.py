@@ -277,6 +277,7 @@ def paged_attention_mosaic_gpu(
     sm_scale: float,
     sliding_window: int | None = None,
     tree_mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -289,9 +290,11 @@ def paged_attention_mosaic_gpu(
     NotImplementedError: not a Hopper-or-newer GPU (and not ``interpret``); dtype not
       bf16/f16; head_dim not a multiple of 64; page_size not a multiple of 8; block not
       a multiple of 64 keys; more than 128 query rows (T * G) per KV head; tree mask
-      with T > 31; shared memory over budget.
+      with T > 31; shared memory over budget; explicit ``positions`` with a sliding window.
   """
-  common.check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tree_mask)
+  common.check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tree_mask,
+                      positions)
+  common.check_slot_window("pallas_gpu", sliding_window, positions)
   if plgpu is None:
     raise NotImplementedError("jax.experimental.pallas.mosaic_gpu is not importable")
   if not interpret:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["kv_cache_shape", "write_kv", "paged_attention_reference", "query_positions"]
+__all__ = ["copy_kv", "kv_cache_shape", "write_kv", "paged_attention_reference",
+           "query_positions"]
 
 
 def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
@@ -67,6 +68,46 @@ def write_kv(
   return kv_pages.at[page, slot].set(kv.astype(kv_pages.dtype), mode="drop")
 
 
+def _slots(page_indices, positions, num_pages: int, page_size: int):
+  """``(page, slot)`` of each position; -1 positions and -1 pages map to page
+  ``num_pages`` (out of bounds: dropped by writes, clamped by reads)."""
+  pages_per_seq = page_indices.shape[1]
+  logical = positions // page_size
+  ok = (positions >= 0) & (logical < pages_per_seq)
+  page = jnp.take_along_axis(page_indices, jnp.clip(logical, 0, pages_per_seq - 1), axis=1)
+  ok &= page >= 0
+  return jnp.where(ok, page, num_pages), positions % page_size
+
+
+def copy_kv(
+    kv_pages: jax.Array,
+    page_indices: jax.Array,
+    src_positions: jax.Array,
+    dst_positions: jax.Array,
+) -> jax.Array:
+  """Copies each row's KV at ``src_positions`` to ``dst_positions`` (all reads first).
+
+  Used after tree verification to make the accepted path contiguous. Example: page_size
+  4, row pages [7, 2], src [5, 6] -> dst [3, 4] copies page 2 slot 1 to page 7 slot 3
+  and page 2 slot 2 to page 2 slot 0.
+
+  Args:
+    kv_pages: ``[num_pages, page_size, 2*K, H]``.
+    page_indices: ``i32[B, pages_per_seq]``, -1 padded.
+    src_positions, dst_positions: ``i32[B, M]`` sequence positions; -1 pairs are skipped.
+
+  Returns:
+    The updated ``kv_pages``. Pairs whose source or destination is -1 (or on a -1
+    page) are not written.
+  """
+  num_pages, page_size = kv_pages.shape[:2]
+  src_page, src_slot = _slots(page_indices, src_positions, num_pages, page_size)
+  dst_page, dst_slot = _slots(page_indices, dst_positions, num_pages, page_size)
+  dst_page = jnp.where(src_page < num_pages, dst_page, num_pages)
+  values = kv_pages[jnp.minimum(src_page, num_pages - 1), src_slot]  # [B, M, 2K, H]
+  return kv_pages.at[dst_page, dst_slot].set(values, mode="drop")
+
+
 def paged_attention_reference(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -77,6 +118,7 @@ def paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     tree_mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
   """Causal attention of ``q`` over each row's paged KV, logits in f32.
 
@@ -91,6 +133,12 @@ def paged_attention_reference(
     tree_mask: optional ``bool[B, T, T]``: ``tree_mask[b, i, j]`` says query token ``i``
       may see query token ``j`` of the same step (its tree ancestors and itself). The
       committed prefix (positions before the step's first token) is always visible.
+    positions: optional ``i32[B, T]`` absolute positions of the query tokens when they
+      differ from their KV slots (tree verification: a node at slot ``start + t`` sits
+      at position ``start + depth``). Only the sliding window reads them: a query at
+      position p sees keys at positions ``> p - window``, where a key of this step is at
+      its token's position and a committed key at its slot. Causality and the tree mask
+      stay slot-based (tree nodes are stored parents first).
 
   Returns:
     ``[B, T, N, H]`` in ``q.dtype``. Padding query rows are zeros.
@@ -108,8 +156,16 @@ def paged_attention_reference(
   page_ok = jnp.repeat(page_indices >= 0, page_size, axis=1)  # [B, S]
   mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] < kv_lens[:, None, None])
   mask &= page_ok[:, None, :]
-  if sliding_window is not None:
+  if sliding_window is not None and positions is None:
     mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+  elif sliding_window is not None:
+    # Example: start 10, node at slot 13 with depth 1 -> position 11; with window 4 it
+    # sees committed slots 8, 9 and its step ancestors (positions 10, 11).
+    rel = k_pos - (kv_lens - q_lens)[:, None]  # [B, S] index among the step's tokens
+    in_step = (rel >= 0) & (rel < num_tokens)
+    step_pos = jnp.take_along_axis(positions, jnp.clip(rel, 0, num_tokens - 1), axis=1)
+    k_true = jnp.where(in_step, step_pos, k_pos)  # [B, S]
+    mask &= k_true[:, None, :] > positions[:, :, None] - sliding_window
   if tree_mask is not None:
     start = (kv_lens - q_lens)[:, None, None]  # first position of this step
     rel = k_pos[:, None, :] - start  # [B, 1, S] index of the key among the step's tokens

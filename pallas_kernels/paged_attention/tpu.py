@@ -208,6 +208,7 @@ def paged_attention_tpu(
     sm_scale: float,
     sliding_window: int | None = None,
     tree_mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -219,9 +220,12 @@ def paged_attention_tpu(
     ValueError: malformed inputs.
     NotImplementedError: not on a TPU (and not ``interpret``); dtype not f32/bf16 or
       q and kv dtypes differ; ``2K`` heads not fully tileable (as in JAX's ragged paged
-      attention); page_size not a multiple of the sublane tile; tree mask with T > 31.
+      attention); page_size not a multiple of the sublane tile; tree mask with T > 31;
+      explicit ``positions`` with a sliding window.
   """
-  common.check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tree_mask)
+  common.check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tree_mask,
+                      positions)
+  common.check_slot_window("pallas_tpu", sliding_window, positions)
   if pltpu is None:
     raise NotImplementedError("jax.experimental.pallas.tpu is not importable")
   if not interpret and jax.default_backend() != "tpu":

@@ -171,6 +171,7 @@ def paged_attention_triton(
     sm_scale: float,
     sliding_window: int | None = None,
     tree_mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -183,9 +184,12 @@ def paged_attention_triton(
     ValueError: malformed inputs.
     NotImplementedError: no CUDA backend (and not ``interpret``), Triton unavailable, or
       shapes Triton cannot tile (head_dim or page_size not a power of two, T > 31 with a
-      tree mask, more than 128 query rows per KV head).
+      tree mask, more than 128 query rows per KV head, explicit ``positions`` with a
+      sliding window).
   """
-  common.check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tree_mask)
+  common.check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tree_mask,
+                      positions)
+  common.check_slot_window("pallas_triton", sliding_window, positions)
   if not interpret:
     if pltriton is None:
       raise NotImplementedError("jax.experimental.pallas.triton is not importable")

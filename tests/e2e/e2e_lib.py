@@ -1,5 +1,5 @@
-"""Shared pieces of the engine tests: tiny models, an uncached greedy reference, a
-scripted drafter, count simulators and the counter checks.
+"""Shared pieces of the engine tests: tiny models, an uncached greedy reference,
+scripted chain and tree drafters, count simulators and the counter checks.
 
 Compile time dominates these tests, so every engine test uses the same target and
 draft graph (same ``ModelConfig``: the draft is the target with its layer weights
@@ -28,11 +28,13 @@ from specjax.batch import AttentionMetadata
 from specjax.config import EngineConfig, SamplingParams
 from specjax.request import Request
 from specjax.steps import SplitModel, split_model
+from specjax.tree import chain_parents
 
 __all__ = [
-    "ALPHABET", "ENGINE_CONFIG", "K", "MAX_MODEL_LEN", "PAGE_SIZE", "ScriptedDrafter", "VOCAB",
-    "build_model", "check_counters", "decode", "expected_counts", "full_logits",
-    "greedy_reference", "make_requests", "model_config", "scripted_drafter",
+    "ALPHABET", "ENGINE_CONFIG", "K", "MAX_MODEL_LEN", "PAGE_SIZE", "ChainAsTree",
+    "ScriptedDrafter", "ScriptedTreeDrafter", "VOCAB", "build_model", "check_counters",
+    "decode", "expected_counts", "full_logits", "greedy_reference", "make_requests",
+    "model_config", "scripted_drafter", "scripted_tree", "walk_tree",
 ]
 
 VOCAB = 48
@@ -215,11 +217,125 @@ class ScriptedDrafter(Method):
 def scripted_drafter(requests, reference, num_right: int | None = None) -> ScriptedDrafter:
   """A ``ScriptedDrafter`` replaying ``reference`` (requests -> greedy outputs) for
   ``requests``, continued to ``max_model_len`` (no stops)."""
+  return ScriptedDrafter(k=K, script=_script_table(requests, reference), num_right=num_right)
+
+
+def _script_table(requests, reference):
   full = [Request(r.request_id, r.prompt_token_ids,
                   SamplingParams(max_tokens=MAX_MODEL_LEN, ignore_eos=True)) for r in requests]
-  script = tuple((r.request_id, len(r.prompt_token_ids), tuple(c))
-                 for r, c in zip(requests, reference(full)))
-  return ScriptedDrafter(k=K, script=script, num_right=num_right)
+  return tuple((r.request_id, len(r.prompt_token_ids), tuple(c))
+               for r, c in zip(requests, reference(full)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScriptedTreeDrafter(Method):
+  """Test-only tree drafter around a known greedy continuation.
+
+  Level d (d = 1, 2, ..) gives the on-path node (the root for d = 1) ``branching``
+  children: the right token at sibling rank ``right_rank`` and wrong tokens elsewhere;
+  the first wrong child also gets a decoy child carrying the right token of depth
+  d + 1 (under a wrong parent, so it must never be accepted). Nodes are listed level
+  by level (decoys after their level), so a budget keeps the shallow levels.
+
+  Attributes:
+    k: most nodes per tree.
+    script: as ``ScriptedDrafter``.
+    branching: children of each on-path node (>= 1).
+    right_rank: sibling rank of the right child (< branching).
+    num_right: None: right at every depth; j: right for the first j depths only.
+  """
+
+  name = "scripted_tree"
+  k: int = 12
+  script: tuple = ()
+  branching: int = 2
+  right_rank: int = 1
+  num_right: int | None = None
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    return self.k
+
+  def build(self, cont, done: int, budget: int):
+    """``(tokens, parents)`` lists of the tree after ``done`` output tokens."""
+    tok_at = lambda i: cont[i] if i < len(cont) else 0
+    tokens, parents = [], []
+    on_path, depth = -1, 1
+    while len(tokens) < budget:
+      right = tok_at(done + depth - 1)
+      first_wrong = None
+      level_right = None
+      for r in range(self.branching):
+        ok = r == self.right_rank and (self.num_right is None or depth <= self.num_right)
+        tokens.append(right if ok else (right + 1 + r) % VOCAB)
+        parents.append(on_path)
+        if r == self.right_rank:
+          level_right = len(tokens) - 1
+        elif first_wrong is None:
+          first_wrong = len(tokens) - 1
+      if first_wrong is not None:
+        tokens.append(tok_at(done + depth))
+        parents.append(first_wrong)
+      on_path, depth = level_right, depth + 1
+    return tokens[:budget], parents[:budget]
+
+  def propose(self, state, context):
+    table = {rid: (p, cont) for rid, p, cont in self.script}
+    rows = len(context.request_ids)
+    tokens = np.full((rows, self.k), -1, np.int32)
+    parents = np.full((rows, self.k), -1, np.int32)
+    num = np.zeros(rows, np.int32)
+    for i, (rid, seq) in enumerate(zip(context.request_ids, context.token_ids)):
+      prompt_len, cont = table[rid]
+      done = len(seq) - prompt_len
+      assert tuple(int(t) for t in seq[prompt_len:]) == tuple(cont[:done]), "off script"
+      toks, pars = self.build(cont, done, int(context.budgets[i]))
+      tokens[i, : len(toks)], parents[i, : len(pars)], num[i] = toks, pars, len(toks)
+    return state, Draft(tokens, num, parents=parents)
+
+
+def scripted_tree(requests, reference, **options) -> ScriptedTreeDrafter:
+  """A ``ScriptedTreeDrafter`` replaying ``reference`` for ``requests``."""
+  return ScriptedTreeDrafter(script=_script_table(requests, reference), **options)
+
+
+def walk_tree(tokens, parents, truth) -> int:
+  """Accepted path length of a greedy walk: from the root, take the first child whose
+  token is ``truth[depth]`` (plain Python, independent of ``specjax.verify``)."""
+  cur, depth = -1, 0
+  for j, (t, p) in enumerate(zip(tokens, parents)):
+    if p == cur and depth < len(truth) and t == truth[depth]:
+      cur, depth = j, depth + 1
+  return depth
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChainAsTree(Method):
+  """Wraps a chain method and hands its drafts to the engine as one-branch trees."""
+
+  name = "chain_as_tree"
+  inner: Method
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    return self.inner.num_speculative_tokens
+
+  def capabilities(self):
+    return dataclasses.replace(self.inner.capabilities(), tree=True)
+
+  def init_state(self, runtime):
+    return self.inner.init_state(runtime)
+
+  def propose(self, state, context):
+    state, d = self.inner.propose(state, context)
+    parents = chain_parents(*d.tokens.shape)
+    return state, Draft(d.tokens, d.num_tokens, probs=d.probs, parents=parents)
+
+  def observe(self, state, result):
+    return self.inner.observe(state, result)
+
+  def observe_prefill(self, state, result):
+    return self.inner.observe_prefill(state, result)
 
 
 def expected_counts(prompt_len: int, num_output: int, max_tokens: int, *, k: int = K,
@@ -242,8 +358,12 @@ def expected_counts(prompt_len: int, num_output: int, max_tokens: int, *, k: int
 
 
 # ---------------------------------------------------------------- counter checks
-def check_counters(metrics, outputs, k: int) -> None:
-  """G5: per-step and per-request counters are consistent with the outputs."""
+def check_counters(metrics, outputs, k: int, tree: bool = False) -> None:
+  """G5: per-step and per-request counters are consistent with the outputs.
+
+  ``tree``: drafts are trees, so draft tokens count nodes and ``drafted_per_position``
+  counts rows reaching each depth (its sum is at most the node count).
+  """
   for s in metrics.steps:
     assert 1 <= s.num_rows <= s.batch_bucket
     assert 0 <= s.num_accepted <= s.num_draft_tokens, s
@@ -253,7 +373,11 @@ def check_counters(metrics, outputs, k: int) -> None:
     if k:
       assert np.all(acc >= 0) and np.all(acc <= drafted), s
       assert np.all(np.diff(acc) <= 0) and np.all(np.diff(drafted) <= 0), s
-      assert acc.sum() == s.num_accepted and drafted.sum() == s.num_draft_tokens, s
+      assert acc.sum() == s.num_accepted, s
+      if tree:
+        assert drafted.sum() <= s.num_draft_tokens, s
+      else:
+        assert drafted.sum() == s.num_draft_tokens, s
     else:
       assert s.num_draft_tokens == 0 and s.num_emitted == s.num_rows
   total_out = sum(len(o.output_token_ids) for o in outputs)
