@@ -3,9 +3,11 @@ reproduces the target's sampling distribution.
 
 Many seeded requests share one prompt; the joint distribution of their first two
 output tokens (the second one drafted by the head after the first) is compared with the
-target's own (temperature + top-k), computed exactly by an uncached forward. The heads
-are random, so both acceptance and rejection paths run. Power: the same counts reject
-the distribution at a different temperature.
+target's own (temperature, no top-k), computed exactly by an uncached forward. The heads
+are random, so both acceptance and rejection paths run (with top-k the random EAGLE heads'
+sampled drafts fell outside the target's support and were never accepted, so the full
+vocabulary is kept). Power: the same counts reject the distribution at a different
+temperature.
 """
 
 from __future__ import annotations
@@ -22,16 +24,17 @@ from specjax.engine import Engine
 from specjax.request import Request
 
 PROMPT = (7, 21, 3, 30, 12)
-TEMPERATURE, TOP_K = 1.5, 12
+TEMPERATURE, TOP_K = 1.5, 0  # 0: no top-k
 NUM_SAMPLES = 4096
 P_THRESHOLD = 1e-3
 
 
 def _probs(logits, temperature):
-  """Temperature then top-k, in numpy (independent of specjax.sampling)."""
+  """Temperature then top-k (if set), in numpy (independent of specjax.sampling)."""
   z = logits / temperature
-  kth = np.sort(z, axis=-1)[..., -TOP_K][..., None]
-  z = np.where(z >= kth, z, -np.inf)
+  if TOP_K:
+    kth = np.sort(z, axis=-1)[..., -TOP_K][..., None]
+    z = np.where(z >= kth, z, -np.inf)
   e = np.exp(z - z.max(-1, keepdims=True))
   return e / e.sum(-1, keepdims=True)
 
@@ -87,9 +90,9 @@ def test_two_token_distribution_matches_target(target, joint, kind):  # noqa: F8
   for o in outputs:
     counts[tuple(o.output_token_ids)] += 1
   support = expected > 0
-  assert counts[~support].sum() == 0  # nothing outside the target's top-k support
+  assert counts[~support].sum() == 0  # nothing outside the target's support
   p_value = _chi_square_p(counts[support], expected[support], NUM_SAMPLES)
   assert p_value > P_THRESHOLD, (p_value, counts[support], expected[support] * NUM_SAMPLES)
-  # Power: the distribution at temperature 1.0 (same top-k support) is rejected.
+  # Power: the distribution at temperature 1.0 is rejected.
   wrong = joint[1.0]
   assert _chi_square_p(counts[support], wrong[support], NUM_SAMPLES) < P_THRESHOLD
