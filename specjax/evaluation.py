@@ -47,7 +47,7 @@ import numpy as np
 import pandas as pd
 
 from methods.registry import make_method
-from pallas_kernels.paged_attention import resolve_implementation
+from pallas_kernels.paged_attention import implementations_used, resolve_implementation
 from specjax.config import EngineConfig, SamplingParams
 from specjax.divergence import divergence, first_divergence
 from specjax.engine import Engine, bucket
@@ -413,6 +413,9 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
           )
       del engines
   df = _order_columns(pd.DataFrame(rows), k)
+  # What actually ran (the requested list can fall through, e.g. pallas_gpu -> reference
+  # for f32): every paged-attention backend traced in this process up to now.
+  df["attention_backends_used"] = ",".join(implementations_used())
   total_s = time.perf_counter() - t_start
   if cfg.output_dir is not None:
     _write(cfg, df, output_records)

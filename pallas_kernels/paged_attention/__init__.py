@@ -25,6 +25,7 @@ __all__ = [
     "kv_cache_shape",
     "paged_attention",
     "query_positions",
+    "implementations_used",
     "resolve_implementation",
     "write_kv",
 ]
@@ -51,6 +52,17 @@ def _backend(name: str):
     from pallas_kernels.paged_attention.tpu import paged_attention_tpu
     return paged_attention_tpu
   raise ValueError(f"{name=} is not a paged-attention implementation; allowed: {IMPLEMENTATIONS}")
+
+
+_USED: set[str] = set()
+
+
+def implementations_used() -> tuple[str, ...]:
+  """Backends that ``paged_attention`` dispatched to in this process so far (recorded when
+  a call is traced, i.e. once per compiled step shape), sorted. E.g. an f32 model run with
+  ``("pallas_gpu", "reference")`` records ``("reference",)``: the Mosaic GPU kernel takes
+  bf16/f16 only and raised NotImplementedError."""
+  return tuple(sorted(_USED))
 
 
 def resolve_implementation(implementation: str | Sequence[str]) -> tuple[str, ...]:
@@ -85,11 +97,14 @@ def paged_attention(
   errors = []
   for name in resolve_implementation(implementation):
     try:
-      return _backend(name)(
+      out = _backend(name)(
           q, kv_pages, page_indices, kv_lens, q_lens,
           sm_scale=sm_scale, sliding_window=sliding_window, tree_mask=tree_mask,
           positions=positions,
       )
     except NotImplementedError as e:  # only "this backend can't do these shapes"
       errors.append(f"{name}: {e}")
+      continue
+    _USED.add(name)
+    return out
   raise NotImplementedError("no paged-attention implementation accepted the call: " + "; ".join(errors))

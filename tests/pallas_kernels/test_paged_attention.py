@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels.paged_attention as pa
 from pallas_kernels.paged_attention import (
     IMPLEMENTATIONS,
     _backend,
@@ -283,7 +284,13 @@ def test_dispatcher_falls_through_on_not_implemented():
   # also decline (no interpret through the dispatcher), so "reference" answers.
   dispatch = jax.jit(lambda x: paged_attention(
       **x, sm_scale=0.125, implementation=("pallas_gpu", "pallas_tpu", "reference")))
-  np.testing.assert_array_equal(np.asarray(dispatch(inputs)), np.asarray(ref))
+  used_before = set(pa._USED)
+  pa._USED.clear()
+  try:
+    np.testing.assert_array_equal(np.asarray(dispatch(inputs)), np.asarray(ref))
+    assert pa.implementations_used() == ("reference",)  # what ran, not what was asked
+  finally:
+    pa._USED.update(used_before)
   with pytest.raises(NotImplementedError):
     paged_attention(**inputs, sm_scale=0.125, implementation="pallas_gpu")
   with pytest.raises(ValueError):
