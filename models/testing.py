@@ -26,6 +26,7 @@ from specjax.batch import AttentionMetadata
 
 __all__ = [
     "TINY_LLAMA3_ROPE_SCALING",
+    "chi_square_pvalue",
     "PagedKV",
     "full_forward",
     "random_model",
@@ -270,3 +271,23 @@ def full_forward(
   lengths = [num_tokens] * batch if lengths is None else list(lengths)
   kv = PagedKV(model.cfg, batch, num_tokens, page_size=page_size, seed=seed)
   return kv.step(model, tokens, lengths, hidden_layers=hidden_layers)
+
+
+def chi_square_pvalue(counts, probs, n: int) -> float:
+  """Chi-square goodness-of-fit p-value of ``counts`` against ``probs * n`` (1-D arrays
+  over the same cells). Cells expecting < 5 counts are pooled with the next smallest
+  cells until the pool expects >= 5 (the usual validity rule of the test)."""
+  from scipy import stats  # noqa: PLC0415
+
+  expected = np.asarray(probs) * n
+  counts = np.asarray(counts)
+  order = np.argsort(expected)
+  pool = 0
+  while pool < len(order) and expected[order[: pool + 1]].sum() < 5:
+    pool += 1
+  if pool:
+    pool += 1  # the cell that brings the pool to >= 5
+    keep = order[pool:]
+    counts = np.append(counts[keep], counts[order[:pool]].sum())
+    expected = np.append(expected[keep], expected[order[:pool]].sum())
+  return float(stats.chisquare(counts, expected).pvalue)

@@ -12,8 +12,8 @@ uncached forward; the same counts are far from the draft's distribution (power).
 import numpy as np
 import pytest
 from e2e_lib import K, check_counters, full_logits, make_requests
-from scipy import stats
 
+from models.testing import chi_square_pvalue
 from specjax.config import SamplingParams
 from specjax.request import Request
 
@@ -87,22 +87,6 @@ def _joint(model):
   return p1[:, None] * p2
 
 
-def _chi_square_p(counts, probs, n):
-  """Chi-square p-value; cells expecting < 5 counts are pooled (with the next smallest
-  cells until the pool expects >= 5)."""
-  expected = probs * n
-  order = np.argsort(expected)
-  pool = 0
-  while pool < len(order) and expected[order[: pool + 1]].sum() < 5:
-    pool += 1
-  if pool:
-    pool += 1  # the cell that brings the pool to >= 5
-    keep = order[pool:]
-    counts = np.append(counts[keep], counts[order[:pool]].sum())
-    expected = np.append(expected[keep], expected[order[:pool]].sum())
-  return stats.chisquare(counts, expected).pvalue
-
-
 def test_two_token_distribution_matches_target(make_engine, target, draft):
   requests = [Request(f"d{i}", DIST_PROMPT,
                       SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=2))
@@ -118,10 +102,10 @@ def test_two_token_distribution_matches_target(make_engine, target, draft):
     counts[tuple(o.output_token_ids)] += 1
   support = expected > 0
   assert counts[~support].sum() == 0  # nothing outside the target's top-k support
-  p_value = _chi_square_p(counts[support], expected[support], NUM_SAMPLES)
+  p_value = chi_square_pvalue(counts[support], expected[support], NUM_SAMPLES)
   assert p_value > P_THRESHOLD, (p_value, counts[support], expected[support] * NUM_SAMPLES)
   # Power: the draft's own distribution is rejected by the same test on the same counts.
   q = _joint(draft)
   q_support = q > 0
   assert counts[~q_support].sum() > 0 or (
-      _chi_square_p(counts[q_support], q[q_support], NUM_SAMPLES) < P_THRESHOLD)
+      chi_square_pvalue(counts[q_support], q[q_support], NUM_SAMPLES) < P_THRESHOLD)

@@ -15,10 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from flax import nnx
-from scipy import stats
 from test_learned_heads import ENGINE, KINDS, MAX_LEN, _method, target  # noqa: F401
 
-from models.testing import full_forward
+from models.testing import chi_square_pvalue, full_forward
 from specjax.config import SamplingParams
 from specjax.engine import Engine
 from specjax.request import Request
@@ -55,21 +54,6 @@ def _joint(model_split, temperature):
   return p1[:, None] * p2
 
 
-def _chi_square_p(counts, probs, n):
-  """Chi-square p-value over the support; cells expecting < 5 are pooled."""
-  expected = probs * n
-  order = np.argsort(expected)
-  pool = 0
-  while pool < len(order) and expected[order[: pool + 1]].sum() < 5:
-    pool += 1
-  if pool:
-    pool += 1
-    keep = order[pool:]
-    counts = np.append(counts[keep], counts[order[:pool]].sum())
-    expected = np.append(expected[keep], expected[order[:pool]].sum())
-  return stats.chisquare(counts, expected).pvalue
-
-
 @pytest.fixture(scope="module")
 def joint(target):  # noqa: F811
   return {t: _joint(target, t) for t in (TEMPERATURE, 1.0)}
@@ -91,8 +75,8 @@ def test_two_token_distribution_matches_target(target, joint, kind):  # noqa: F8
     counts[tuple(o.output_token_ids)] += 1
   support = expected > 0
   assert counts[~support].sum() == 0  # nothing outside the target's support
-  p_value = _chi_square_p(counts[support], expected[support], NUM_SAMPLES)
+  p_value = chi_square_pvalue(counts[support], expected[support], NUM_SAMPLES)
   assert p_value > P_THRESHOLD, (p_value, counts[support], expected[support] * NUM_SAMPLES)
   # Power: the distribution at temperature 1.0 is rejected.
   wrong = joint[1.0]
-  assert _chi_square_p(counts[support], wrong[support], NUM_SAMPLES) < P_THRESHOLD
+  assert chi_square_pvalue(counts[support], wrong[support], NUM_SAMPLES) < P_THRESHOLD
