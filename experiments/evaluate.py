@@ -50,6 +50,10 @@ _ATTN = flags.DEFINE_list(
     "attention_implementation", ["reference"],
     "Paged-attention implementation(s), tried in order (pallas_kernels.paged_attention."
     "IMPLEMENTATIONS lists them).")
+_VERIFY = flags.DEFINE_list(
+    "verify_implementation", None,
+    "Unset: the jnp rejection sampler (temperature, top-k, top-p). Else pallas_kernels.verify "
+    "implementation(s) for the fused chain sampler (temperature only), e.g. pallas_triton.")
 _RATE = flags.DEFINE_float(
     "request_rate", None, "Poisson arrivals in requests/s (online mode); unset = offline.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Model dtype.")
@@ -125,6 +129,7 @@ def config_from_flags() -> EvalConfig:
       warmup_tokens=_WARMUP_TOKENS.value or None,
       chat_template=_CHAT.value,
       layer_execution=_LAYERS.value,
+      verify_implementation=tuple(_VERIFY.value) if _VERIFY.value else None,
       matmul_precision=_PRECISION.value,
   )
 

@@ -63,6 +63,12 @@ class EngineConfig:
     num_pages: pages in the KV pool; None sizes it so ``max_num_seqs`` sequences of
       ``max_model_len`` fit (no preemption). Smaller pools preempt by recompute.
     attention_implementation: paged-attention implementation(s), recorded in results.
+    verify_implementation: None verifies chain drafts with the jnp rejection sampler
+      (``specjax.verify.rejection_sample``: temperature, top-k, top-p). A
+      ``pallas_kernels.verify`` implementation name (or names tried in order) verifies
+      them with ``specjax.verify.fused_rejection_sample`` instead (one sweep over V per
+      position; temperature only: requests with top-k/top-p are rejected, tree drafts
+      raise NotImplementedError).
     min_prefill_bucket: smallest padded prefill length (prefill T is bucketed to
       powers of two from here).
     seed: engine seed for requests without their own.
@@ -73,10 +79,21 @@ class EngineConfig:
   page_size: int = 16
   num_pages: int | None = None
   attention_implementation: str | tuple[str, ...] = "reference"
+  verify_implementation: str | tuple[str, ...] | None = None
   min_prefill_bucket: int = 16
   seed: int = 0
 
   def __post_init__(self):
+    if self.verify_implementation is not None:
+      from pallas_kernels.verify import IMPLEMENTATIONS  # noqa: PLC0415
+
+      names = ((self.verify_implementation,) if isinstance(self.verify_implementation, str)
+               else tuple(self.verify_implementation))
+      bad = [n for n in names if n not in IMPLEMENTATIONS]
+      if bad or not names:
+        raise ValueError(f"verify_implementation={self.verify_implementation!r} must be None or "
+                         f"names from {IMPLEMENTATIONS}")
+      object.__setattr__(self, "verify_implementation", names)
     for name in ("max_num_seqs", "max_model_len", "page_size", "min_prefill_bucket"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

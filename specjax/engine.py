@@ -38,6 +38,7 @@ from specjax.scheduler import Scheduler
 from specjax.steps import (
     SplitModel,
     forward_step,
+    fused_verify_step,
     gather_rows,
     move_kv_step,
     split_model,
@@ -126,6 +127,12 @@ class Engine:
             f"request {r.request_id!r}: prompt length {n} must be < max_model_len="
             f"{self.config.max_model_len} (room for at least one generated token)"
         )
+      sp = r.sampling
+      if self.config.verify_implementation is not None and (sp.top_k or sp.top_p < 1):
+        raise ValueError(
+            f"request {r.request_id!r}: top_k={sp.top_k}, top_p={sp.top_p} need the jnp "
+            f"rejection sampler; verify_implementation={self.config.verify_implementation} "
+            "handles temperature only (set it to None)")
       vocab = self.target.config.vocab_size
       if min(r.prompt_token_ids) < 0 or max(r.prompt_token_ids) >= vocab:
         raise ValueError(f"request {r.request_id!r}: token ids must be in [0, {vocab})")
@@ -303,11 +310,18 @@ class Engine:
       probs = draft.probs[:, :length] if draft.probs.shape[0] == batch else None
       assert probs is not None, "draft probs must be [B, L, V] for the padded batch"
     all_greedy = all(st.request.sampling.greedy for st in rows)
+    if is_tree and cfg.verify_implementation is not None:
+      raise NotImplementedError(
+          f"verify_implementation={cfg.verify_implementation} verifies chains only; this "
+          "method drafted a tree (use verify_implementation=None)")
     if is_tree:
       out, acc, nodes = tree_verify_step(logits, draft_tokens, parents, num_draft, probs, temp,
                                          top_k, top_p, keys, positions, all_greedy=all_greedy)
       hidden = self._commit_tree_path(np.asarray(nodes), np.asarray(acc), positions, table,
                                       hidden)
+    elif cfg.verify_implementation is not None:
+      out, acc = fused_verify_step(logits, draft_tokens, num_draft, probs, temp, keys, positions,
+                                   implementation=cfg.verify_implementation)
     else:
       out, acc = verify_step(logits, draft_tokens, num_draft, probs, temp, top_k, top_p, keys,
                              positions, all_greedy=all_greedy)

@@ -48,6 +48,7 @@ import pandas as pd
 
 from methods.registry import make_method
 from pallas_kernels.paged_attention import implementations_used, resolve_implementation
+from pallas_kernels.verify import implementations_used as verify_implementations_used
 from specjax.config import EngineConfig, SamplingParams
 from specjax.divergence import divergence, first_divergence
 from specjax.engine import Engine, bucket
@@ -111,6 +112,8 @@ class EvalConfig:
       (rounded up to a page, at most the target's ``max_position_embeddings``).
     page_size: KV positions per page.
     attention_implementation: paged-attention implementation(s).
+    verify_implementation: ``EngineConfig.verify_implementation`` (None: the jnp
+      rejection sampler; else the fused ``pallas_kernels.verify`` sampler).
     request_rate: requests/s of Poisson arrivals (online mode); None = offline (all
       requests at once, ``max_num_seqs`` of them running at a time).
     dtype: "float32" or "bfloat16" for the models.
@@ -148,6 +151,7 @@ class EvalConfig:
   max_model_len: int | None = None
   page_size: int = 16
   attention_implementation: str | tuple[str, ...] = "reference"
+  verify_implementation: str | tuple[str, ...] | None = None
   request_rate: float | None = None
   dtype: str = "float32"
   warmup: bool = True
@@ -168,6 +172,8 @@ class EvalConfig:
       object.__setattr__(self, "categories", tuple(self.categories) or None)
     if isinstance(self.attention_implementation, list):
       object.__setattr__(self, "attention_implementation", tuple(self.attention_implementation))
+    if isinstance(self.verify_implementation, list):
+      object.__setattr__(self, "verify_implementation", tuple(self.verify_implementation) or None)
     if not self.batch_sizes or min(self.batch_sizes) < 1:
       raise ValueError(f"batch_sizes={self.batch_sizes} must be a non-empty list of ints >= 1")
     for name in ("num_prompts", "max_new_tokens", "repeats", "page_size"):
@@ -388,7 +394,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
     for batch in cfg.batch_sizes:
       engine_cfg = EngineConfig(
           max_num_seqs=batch, max_model_len=max_model_len, page_size=cfg.page_size,
-          attention_implementation=cfg.attention_implementation, seed=cfg.seed,
+          attention_implementation=cfg.attention_implementation,
+          verify_implementation=cfg.verify_implementation, seed=cfg.seed,
       )
       engines = {
           name: Engine(target_split, method, engine_cfg,
@@ -426,6 +433,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   # What actually ran (the requested list can fall through, e.g. pallas_gpu -> reference
   # for f32): every paged-attention backend traced in this process up to now.
   df["attention_backends_used"] = ",".join(implementations_used())
+  df["verify_backends_used"] = (",".join(verify_implementations_used())
+                                if cfg.verify_implementation is not None else "jnp_rejection_sample")
   total_s = time.perf_counter() - t_start
   if cfg.output_dir is not None:
     _write(cfg, df, output_records)

@@ -17,10 +17,10 @@ from flax import nnx
 from models.llama import unstack_layer_params
 from pallas_kernels.paged_attention import copy_kv
 from specjax.batch import AttentionMetadata
-from specjax.verify import rejection_sample, tree_rejection_sample
+from specjax.verify import fused_rejection_sample, rejection_sample, tree_rejection_sample
 
-__all__ = ["SplitModel", "split_model", "forward_step", "gather_rows", "move_kv_step",
-           "tree_verify_step", "verify_step"]
+__all__ = ["SplitModel", "split_model", "forward_step", "fused_verify_step", "gather_rows",
+           "move_kv_step", "tree_verify_step", "verify_step"]
 
 
 class SplitModel(NamedTuple):
@@ -83,6 +83,8 @@ def forward_step(
 
 
 verify_step = jax.jit(rejection_sample, static_argnames=("all_greedy",))
+fused_verify_step = jax.jit(fused_rejection_sample, static_argnames=("implementation",
+                                                                     "interpret"))
 tree_verify_step = jax.jit(tree_rejection_sample, static_argnames=("all_greedy",))
 
 

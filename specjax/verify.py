@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.verify import verify_rows
 from specjax.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
@@ -31,7 +32,8 @@ from specjax.sampling import (
     sample_from_probs,
 )
 
-__all__ = ["greedy_tree_verify", "greedy_verify", "rejection_sample", "tree_rejection_sample"]
+__all__ = ["fused_rejection_sample", "greedy_tree_verify", "greedy_verify", "rejection_sample",
+           "tree_rejection_sample"]
 
 
 def _leading_run(ok: jax.Array) -> jax.Array:
@@ -130,6 +132,67 @@ def rejection_sample(
   out = jnp.where(greedy_row, greedy_out, out)
   accepted = jnp.where(greedy_row[:, 0], greedy_acc, accepted)
   return out, accepted
+
+
+def fused_rejection_sample(
+    target_logits: jax.Array,
+    draft_tokens: jax.Array,
+    num_draft: jax.Array,
+    draft_probs: jax.Array | None,
+    temperature: jax.Array,
+    keys: jax.Array,
+    positions: jax.Array,
+    *,
+    implementation: str | tuple[str, ...] = "reference",
+    interpret: bool = False,
+):
+  """Lossless chain verification through ``pallas_kernels.verify`` (temperature only).
+
+  Same acceptance rule as :func:`rejection_sample` (accept draft j with probability
+  min(1, p_j(d_j) / q_j(d_j)), same uniforms), but p, q(d) and the recovered / bonus
+  draw come from one sweep over V per position (``verify_rows``): no [B, L+1, V]
+  probability or residual array is built. The recovered token is drawn by a
+  Gumbel-max race with hash noise instead of inverse-CDF sampling, so a seeded request
+  gets a different (equally distributed) token than from :func:`rejection_sample`.
+  No top-k / top-p: callers use :func:`rejection_sample` for requests that set them.
+
+  Args:
+    target_logits: ``f32/bf16[B, L+1, V]``.
+    draft_tokens: ``i32[B, L]``, -1 padded; num_draft ``i32[B]``.
+    draft_probs: ``f32[B, L, V]`` draft distributions after the same temperature, or
+      None (q = one-hot of the draft token).
+    temperature: ``f32[B]`` (0 = greedy row).
+    keys: ``u32[B, 2]`` request keys; positions ``i32[B]`` as in :func:`rejection_sample`.
+    implementation: ``pallas_kernels.verify`` implementation(s), tried in order.
+    interpret: run Pallas backends in interpret mode (CPU tests).
+
+  Returns:
+    ``(output_tokens i32[B, L+1] -1 padded, num_accepted i32[B])``.
+  """
+  batch, length = draft_tokens.shape
+  j = jnp.arange(length + 1)[None]
+  padded = jnp.concatenate([draft_tokens, jnp.full((batch, 1), -1, jnp.int32)], axis=1)
+  tokens = jnp.where(j < num_draft[:, None], padded, -1)
+  seeds = jnp.stack([
+      jax.vmap(lambda k: jax.random.bits(k, (), jnp.uint32))(
+          position_keys(keys, positions + i, STREAM_SAMPLE))
+      for i in range(length + 1)], axis=1)  # [B, L+1]
+  stats = verify_rows(target_logits, temperature, tokens, seeds,
+                      draft_probs if length else None,
+                      implementation=implementation, interpret=interpret)
+  valid = j[:, :length] < num_draft[:, None]
+  greedy_acc = _leading_run((draft_tokens == stats.argmax[:, :length]) & valid)
+  greedy_last = jnp.take_along_axis(stats.argmax, greedy_acc[:, None], axis=1)[:, 0]
+  pos = positions[:, None] + jnp.arange(length)[None]  # [B, L]
+  u_keys = jax.vmap(lambda k, ps: position_keys(jnp.broadcast_to(k, (length, 2)), ps,
+                                                STREAM_ACCEPT))(keys, pos)
+  u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(u_keys)
+  p_d, q_d = stats.p_token[:, :length], stats.q_token[:, :length]
+  accepted = _leading_run((q_d > 0) & (u * q_d < p_d) & valid)
+  last = jnp.take_along_axis(stats.sample, accepted[:, None], axis=1)[:, 0]
+  greedy = temperature == 0
+  accepted = jnp.where(greedy, greedy_acc, accepted)
+  return _assemble(draft_tokens, accepted, jnp.where(greedy, greedy_last, last)), accepted
 
 
 # ------------------------------------------------------------------ trees
