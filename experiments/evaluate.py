@@ -129,7 +129,8 @@ def config_from_flags() -> EvalConfig:
       warmup_tokens=_WARMUP_TOKENS.value or None,
       chat_template=_CHAT.value,
       layer_execution=_LAYERS.value,
-      verify_implementation=tuple(_VERIFY.value) if _VERIFY.value else None,
+      verify_implementation=(None if not _VERIFY.value else
+                             _VERIFY.value[0] if len(_VERIFY.value) == 1 else tuple(_VERIFY.value)),
       matmul_precision=_PRECISION.value,
   )
 
@@ -137,7 +138,11 @@ def config_from_flags() -> EvalConfig:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  run_evaluation(config_from_flags())
+  try:  # bad flag values: one clear line, not a traceback
+    cfg = config_from_flags()
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  run_evaluation(cfg)
 
 
 if __name__ == "__main__":

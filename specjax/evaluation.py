@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import inspect
 import json
 import math
 import os
@@ -46,7 +47,7 @@ import jax
 import numpy as np
 import pandas as pd
 
-from methods.registry import make_method
+from methods.registry import METHODS, make_method
 from pallas_kernels.paged_attention import implementations_used, resolve_implementation
 from pallas_kernels.verify import implementations_used as verify_implementations_used
 from specjax.config import EngineConfig, SamplingParams
@@ -192,17 +193,39 @@ class EvalConfig:
     if self.layer_execution not in LAYER_EXECUTIONS:
       raise ValueError(f"layer_execution={self.layer_execution!r} must be one of "
                        f"{LAYER_EXECUTIONS}")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+      raise ValueError(f"methods {unknown} are unknown; known methods: {sorted(METHODS)}")
+    if self.verify_implementation is not None:
+      _check_verify_implementation(self.verify_implementation)
     if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
       raise ValueError(f"matmul_precision={self.matmul_precision!r} must be None or one of "
                        f"{MATMUL_PRECISIONS}")
+
+
+def _check_verify_implementation(value) -> None:
+  """Raises ValueError for unknown ``pallas_kernels.verify`` names, or when none of the
+  listed ones can run on this JAX backend (before any model is loaded)."""
+  from pallas_kernels.verify import IMPLEMENTATIONS  # noqa: PLC0415
+
+  names = (value,) if isinstance(value, str) else tuple(value)
+  bad = [n for n in names if n not in IMPLEMENTATIONS]
+  if bad or not names:
+    raise ValueError(f"verify_implementation={','.join(names)} must name implementations "
+                     f"from {IMPLEMENTATIONS}")
+  if "reference" not in names and jax.default_backend() != "gpu":
+    raise ValueError(f"verify_implementation={','.join(names)} needs a GPU (backend is "
+                     f"{jax.default_backend()!r}); add 'reference' or leave it unset")
 
 
 def _make_method(name: str, k: int, options: Mapping[str, Any]):
   try:
     return make_method(name, k, **options)
   except TypeError as e:  # an option the method's config does not have
+    allowed = sorted(p for p in inspect.signature(METHODS[name]).parameters
+                     if p not in ("self", "k"))  # k comes from num_speculative_tokens
     raise ValueError(f"method_options for {name!r} ({dict(options)}) are not all options "
-                     f"of that method: {e}") from e
+                     f"of that method ({e}); its options: {allowed}") from e
 
 
 def load_model(name_or_path: str, dtype: str):

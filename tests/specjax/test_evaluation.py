@@ -121,8 +121,8 @@ def test_sampling_online_repeats(tiny_models):
 
 
 def test_bad_values_raise_before_loading(tiny_models):
-  with pytest.raises(ValueError, match="method name='nope' is unknown"):
-    run_evaluation(EvalConfig(target="tiny-target", methods=("nope",)), progress=False)
+  with pytest.raises(ValueError, match=r"methods \['nope'\] are unknown; known methods"):
+    EvalConfig(target="tiny-target", methods=("nope",))
   with pytest.raises(ValueError, match=r"\['draft_model'\] need a draft model"):
     run_evaluation(EvalConfig(target="tiny-target", methods=("draft_model",)), progress=False)
   with pytest.raises(ValueError, match="dataset='nope'"):
@@ -141,7 +141,12 @@ def test_bad_values_raise_before_loading(tiny_models):
     EvalConfig(matmul_precision="exact")
   with pytest.raises(ValueError, match=r"names methods \['eagle'\] that are not in"):
     EvalConfig(methods=("ngram",), method_options={"eagle": {"head_path": "x"}})
-  with pytest.raises(ValueError, match="method_options for 'ngram'.*not all options"):
+  with pytest.raises(ValueError, match="verify_implementation=cuda must name"):
+    EvalConfig(verify_implementation="cuda")
+  if jax.default_backend() != "gpu":
+    with pytest.raises(ValueError, match="pallas_triton needs a GPU"):
+      EvalConfig(verify_implementation="pallas_triton")
+  with pytest.raises(ValueError, match=r"not all options.*its options: \['n_max', 'n_min'\]"):
     run_evaluation(EvalConfig(target="tiny-target", method_options={"ngram": {"nope": 1}}),
                    progress=False)
 
