@@ -41,6 +41,15 @@ def _leading_run(ok: jax.Array) -> jax.Array:
   return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
 
+def _accept_uniforms(keys, positions, length: int):
+  """``f32[B, L]`` acceptance uniforms of chain position j of row b (stream ACCEPT at
+  absolute position ``positions[b] + j``), shared by both chain samplers."""
+  pos = positions[:, None] + jnp.arange(length)[None]  # [B, L]
+  u_keys = jax.vmap(lambda k, ps: position_keys(jnp.broadcast_to(k, (length, 2)), ps,
+                                                STREAM_ACCEPT))(keys, pos)
+  return jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(u_keys)
+
+
 def _assemble(draft_tokens, num_accepted, last_token):
   """``output[j] = draft[j]`` for j < a, ``output[a] = last_token``, then -1."""
   batch, length = draft_tokens.shape
@@ -113,10 +122,7 @@ def rejection_sample(
     q = draft_probs.astype(jnp.float32)
   p_d = jnp.take_along_axis(p[:, :length], safe_draft[..., None], axis=-1)[..., 0]
   q_d = jnp.take_along_axis(q, safe_draft[..., None], axis=-1)[..., 0]
-  pos = positions[:, None] + jnp.arange(length)[None]  # [B, L]
-  u_keys = jax.vmap(lambda k, ps: position_keys(jnp.broadcast_to(k, (length, 2)), ps,
-                                                STREAM_ACCEPT))(keys, pos)
-  u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(u_keys)
+  u = _accept_uniforms(keys, positions, length)
   ok = (q_d > 0) & (u * q_d < p_d) & (jnp.arange(length)[None] < num_draft[:, None])
   accepted = _leading_run(ok)
   p_a = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [B, V]
@@ -183,10 +189,7 @@ def fused_rejection_sample(
   valid = j[:, :length] < num_draft[:, None]
   greedy_acc = _leading_run((draft_tokens == stats.argmax[:, :length]) & valid)
   greedy_last = jnp.take_along_axis(stats.argmax, greedy_acc[:, None], axis=1)[:, 0]
-  pos = positions[:, None] + jnp.arange(length)[None]  # [B, L]
-  u_keys = jax.vmap(lambda k, ps: position_keys(jnp.broadcast_to(k, (length, 2)), ps,
-                                                STREAM_ACCEPT))(keys, pos)
-  u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(u_keys)
+  u = _accept_uniforms(keys, positions, length)
   p_d, q_d = stats.p_token[:, :length], stats.q_token[:, :length]
   accepted = _leading_run((q_d > 0) & (u * q_d < p_d) & valid)
   last = jnp.take_along_axis(stats.sample, accepted[:, None], axis=1)[:, 0]
