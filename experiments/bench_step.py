@@ -52,12 +52,16 @@ def main(argv):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     ver = df[df.kind == "verify"]
     for batch, g in ver.groupby("batch"):
-      axes[0].plot(g.L, g.c, marker="o", label=f"B={batch}")
-    axes[0].set(xlabel="draft length L", ylabel="c = verify / AR step time", title="c(L)")
+      line, = axes[0].plot(g.L, g.c, marker="o", label=f"B={batch}")
+      axes[0].plot(g.L, g.pipelined_c, marker="x", ls="--", color=line.get_color())
+    axes[0].set(xlabel="draft length L", ylabel="c = verify / AR step time",
+                title="c(L) (solid: synchronous, dashed: pipelined)")
     axes[0].legend()
     ar = df[df.kind == "ar"]
     for ctx, g in ar.groupby("context"):
-      axes[1].plot(g.batch, g.roofline_fraction, marker="o", label=f"ctx={ctx}")
+      line, = axes[1].plot(g.batch, g.roofline_fraction, marker="o", label=f"ctx={ctx}")
+      axes[1].plot(g.batch, g.pipelined_roofline_fraction, marker="x", ls="--",
+                   color=line.get_color())
     axes[1].set(xscale="log", xlabel="batch", ylabel="roofline fraction", title="AR step")
     axes[1].legend()
     fig.tight_layout()
