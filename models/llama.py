@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import activation, apply_rope, rms_norm, rope_inv_freq
+from models.layers import activation, apply_rope, project, rms_norm, rope_inv_freq
 from pallas_kernels.paged_attention import (
   kv_cache_shape,
   paged_attention,
@@ -135,9 +135,9 @@ def _decoder_block(cfg: ModelConfig, layer: int | jax.Array, p: Mapping[str, jax
   """
   eps, p1 = cfg.rms_norm_eps, cfg.norm_plus_one
   h_in = rms_norm(x, p["attn_norm"], eps, p1)
-  q = jnp.einsum("BTD,DNH->BTNH", h_in, p["q"])
-  k = jnp.einsum("BTD,DKH->BTKH", h_in, p["k"])
-  v = jnp.einsum("BTD,DKH->BTKH", h_in, p["v"])
+  q = project("BTD,DNH->BTNH", h_in, p["q"])
+  k = project("BTD,DKH->BTKH", h_in, p["k"])
+  v = project("BTD,DKH->BTKH", h_in, p["v"])
   if cfg.attention_bias:
     q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
   if cfg.qk_norm:
@@ -170,15 +170,15 @@ def _decoder_block(cfg: ModelConfig, layer: int | jax.Array, p: Mapping[str, jax
                         functools.partial(attend, window_g), q, kv_pages)
   # Contract over N*H as one axis: XLA CPU turned "BTNH,NHD->BTD" into a transposing copy
   # of the whole o weight every step (slower than the matmul itself).
-  out = jnp.einsum("BTE,ED->BTD", attn.reshape(*attn.shape[:2], -1),
+  out = project("BTE,ED->BTD", attn.reshape(*attn.shape[:2], -1),
                    p["o"].reshape(-1, p["o"].shape[-1]))
   if cfg.sandwich_norms:
     out = rms_norm(out, p["post_attn_norm"], eps, p1)
   x = x + out
   h_ffn = rms_norm(x, p["ffn_norm"], eps, p1)
-  gate = activation(cfg.hidden_act, jnp.einsum("BTD,DF->BTF", h_ffn, p["gate"]))
-  up = jnp.einsum("BTD,DF->BTF", h_ffn, p["up"])
-  out = jnp.einsum("BTF,FD->BTD", gate * up, p["down"])
+  gate = activation(cfg.hidden_act, project("BTD,DF->BTF", h_ffn, p["gate"]))
+  up = project("BTD,DF->BTF", h_ffn, p["up"])
+  out = project("BTF,FD->BTD", gate * up, p["down"])
   if cfg.sandwich_norms:
     out = rms_norm(out, p["post_ffn_norm"], eps, p1)
   return x + out, kv_pages
@@ -266,9 +266,10 @@ class Transformer(nnx.Module):
     # tied embedding is contracted as stored ([V, D]) so no transposed copy is made.
     if self.cfg.tie_word_embeddings:
       w = self.embed[...]
-      return jnp.einsum("...D,VD->...V", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+      return project("...D,VD->...V", h.astype(w.dtype), w,
+                     preferred_element_type=jnp.float32)
     w = self.lm_head[...]
-    return jnp.einsum("...D,DV->...V", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return project("...D,DV->...V", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
   def __call__(
       self,

@@ -1,0 +1,54 @@
+"""``models.layers.project``: the GPU one-row padding path equals the plain einsum.
+
+The padded path only runs on GPU (where it was measured); here it is forced by making
+``jax.default_backend`` report "gpu", so CI checks that padding a one-row input to two
+rows and keeping the first never changes a value or a shape.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import layers
+
+SPECS = [  # (spec, x shape, w shape), as used by models.llama
+    ("BTD,DNH->BTNH", (1, 1, 8), (8, 2, 4)),
+    ("BTE,ED->BTD", (1, 1, 8), (8, 6)),
+    ("BTD,DF->BTF", (1, 1, 8), (8, 16)),
+    ("...D,VD->...V", (1, 1, 8), (32, 8)),
+    ("...D,DV->...V", (1, 8), (8, 32)),
+]
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape", SPECS)
+@pytest.mark.parametrize("backend", ["gpu", "cpu"])
+def test_project_matches_einsum(monkeypatch, spec, x_shape, w_shape, backend):
+  monkeypatch.setattr(layers.jax, "default_backend", lambda: backend)
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, x_shape, jnp.float32)
+  w = jax.random.normal(kw, w_shape, jnp.float32)
+  want = jnp.einsum(spec, x, w, precision="highest")
+  got = layers.project(spec, x, w, precision="highest")
+  assert got.shape == want.shape
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_project_pads_only_single_rows_on_gpu(monkeypatch):
+  seen = []
+  real_einsum = jnp.einsum
+
+  def spy(spec, x, w, **kwargs):
+    seen.append(x.shape)
+    return real_einsum(spec, x, w, **kwargs)
+
+  monkeypatch.setattr(layers.jnp, "einsum", spy)
+  monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+  w = jnp.ones((8, 4))
+  layers.project("BTD,DF->BTF", jnp.ones((1, 1, 8)), w)  # batch-1 decode: two rows
+  layers.project("BTD,DF->BTF", jnp.ones((1, 3, 8)), w)  # verify: unchanged
+  layers.project("BTD,DF->BTF", jnp.ones((2, 1, 8)), w)  # batch-2 decode: unchanged
+  layers.project("D,DF->F", jnp.ones((8,)), w)  # no row axis: unchanged
+  monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
+  layers.project("BTD,DF->BTF", jnp.ones((1, 1, 8)), w)  # CPU: unchanged
+  assert seen == [(2, 1, 8), (1, 3, 8), (2, 1, 8), (8,), (1, 1, 8)]
