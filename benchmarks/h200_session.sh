@@ -12,7 +12,7 @@
 set -u
 OUT=${OUT:-results/h200}
 mkdir -p "$OUT"
-export PYTHONPATH=.
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}  # keep e.g. a carried wheel target
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 run() {  # name, command...
   local name=$1; shift

@@ -51,9 +51,11 @@ _ATTN = flags.DEFINE_list(
     "Paged-attention implementation(s), tried in order (pallas_kernels.paged_attention."
     "IMPLEMENTATIONS lists them).")
 _VERIFY = flags.DEFINE_list(
-    "verify_implementation", None,
-    "Unset: the jnp rejection sampler (temperature, top-k, top-p). Else pallas_kernels.verify "
-    "implementation(s) for the fused chain sampler (temperature only), e.g. pallas_triton.")
+    "verify_implementation", ["auto"],
+    "auto: the fused chain sampler (jnp row statistics) for temperature-only steps, else the "
+    "jnp rejection sampler; jnp: the jnp rejection sampler (temperature, top-k, top-p) always; "
+    "else pallas_kernels.verify implementation(s) for the fused sampler (temperature only), "
+    "e.g. pallas_triton.")
 _RATE = flags.DEFINE_float(
     "request_rate", None, "Poisson arrivals in requests/s (online mode); unset = offline.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Model dtype.")
@@ -129,7 +131,7 @@ def config_from_flags() -> EvalConfig:
       warmup_tokens=_WARMUP_TOKENS.value or None,
       chat_template=_CHAT.value,
       layer_execution=_LAYERS.value,
-      verify_implementation=(None if not _VERIFY.value else
+      verify_implementation=(None if _VERIFY.value in ([], ["jnp"]) else
                              _VERIFY.value[0] if len(_VERIFY.value) == 1 else tuple(_VERIFY.value)),
       matmul_precision=_PRECISION.value,
   )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["SamplingParams", "EngineConfig"]
+__all__ = ["AUTO_VERIFY_IMPLEMENTATION", "SamplingParams", "EngineConfig"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,6 +52,12 @@ class SamplingParams:
     return self.temperature == 0
 
 
+# The fused chain sampler's backend under verify_implementation="auto": the jnp row
+# statistics beat the Triton-lowered kernel on the H200 (0.13 vs 1.28 ms at batch 1,
+# V = 128256, L = 4; docs/gpu/session4/bench_verify_v128256.csv).
+AUTO_VERIFY_IMPLEMENTATION = ("reference",)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
   """Engine limits and buckets.
@@ -63,12 +69,17 @@ class EngineConfig:
     num_pages: pages in the KV pool; None sizes it so ``max_num_seqs`` sequences of
       ``max_model_len`` fit (no preemption). Smaller pools preempt by recompute.
     attention_implementation: paged-attention implementation(s), recorded in results.
-    verify_implementation: None verifies chain drafts with the jnp rejection sampler
-      (``specjax.verify.rejection_sample``: temperature, top-k, top-p). A
-      ``pallas_kernels.verify`` implementation name (or names tried in order) verifies
-      them with ``specjax.verify.fused_rejection_sample`` instead (one sweep over V per
-      position; temperature only: requests with top-k/top-p are rejected, tree drafts
-      raise NotImplementedError).
+    verify_implementation: how sampled chain drafts are verified. "auto" (default):
+      ``specjax.verify.fused_rejection_sample`` with the jnp row-statistics backend
+      (one sweep over V per position; measured 0.10-0.13x the jnp sampler's time on a
+      2-core CPU and 0.12-0.25x on the H200 at V = 49152 / 128256, L = 4,
+      ``benchmarks.bench_verify``) for steps whose requests all use temperature only;
+      the jnp rejection sampler (``specjax.verify.rejection_sample``: temperature,
+      top-k, top-p) for steps with a top-k/top-p request and for tree drafts. None: the
+      jnp rejection sampler always. A ``pallas_kernels.verify`` implementation name (or
+      names tried in order): the fused sampler always (requests with top-k/top-p are
+      rejected, tree drafts raise NotImplementedError). Greedy rows give the same tokens
+      under every choice.
     min_prefill_bucket: smallest padded prefill length (prefill T is bucketed to
       powers of two from here).
     seed: engine seed for requests without their own.
@@ -79,20 +90,20 @@ class EngineConfig:
   page_size: int = 16
   num_pages: int | None = None
   attention_implementation: str | tuple[str, ...] = "reference"
-  verify_implementation: str | tuple[str, ...] | None = None
+  verify_implementation: str | tuple[str, ...] | None = "auto"
   min_prefill_bucket: int = 16
   seed: int = 0
 
   def __post_init__(self):
-    if self.verify_implementation is not None:
+    if self.verify_implementation not in (None, "auto"):
       from pallas_kernels.verify import IMPLEMENTATIONS  # noqa: PLC0415
 
       names = ((self.verify_implementation,) if isinstance(self.verify_implementation, str)
                else tuple(self.verify_implementation))
       bad = [n for n in names if n not in IMPLEMENTATIONS]
       if bad or not names:
-        raise ValueError(f"verify_implementation={self.verify_implementation!r} must be None or "
-                         f"names from {IMPLEMENTATIONS}")
+        raise ValueError(f"verify_implementation={self.verify_implementation!r} must be None, "
+                         f"'auto' or names from {IMPLEMENTATIONS}")
       object.__setattr__(self, "verify_implementation", names)
     for name in ("max_num_seqs", "max_model_len", "page_size", "min_prefill_bucket"):
       if getattr(self, name) < 1:

@@ -23,7 +23,7 @@ import numpy as np
 from methods.base import Method, PrefillResult, ProposeContext, RuntimeInfo, VerifyResult
 from models.llama import init_kv_caches
 from specjax.batch import AttentionMetadata
-from specjax.config import EngineConfig
+from specjax.config import AUTO_VERIFY_IMPLEMENTATION, EngineConfig
 from specjax.kv_cache import page_table, pages_needed
 from specjax.metrics import CompileMonitor, RunMetrics, StepRecord
 from specjax.request import (
@@ -128,14 +128,40 @@ class Engine:
             f"{self.config.max_model_len} (room for at least one generated token)"
         )
       sp = r.sampling
-      if self.config.verify_implementation is not None and (sp.top_k or sp.top_p < 1):
+      if self.config.verify_implementation not in (None, "auto") and (sp.top_k or sp.top_p < 1):
         raise ValueError(
             f"request {r.request_id!r}: top_k={sp.top_k}, top_p={sp.top_p} need the jnp "
             f"rejection sampler; verify_implementation={self.config.verify_implementation} "
-            "handles temperature only (set it to None)")
+            "handles temperature only (set it to 'auto' or None)")
       vocab = self.target.config.vocab_size
       if min(r.prompt_token_ids) < 0 or max(r.prompt_token_ids) >= vocab:
         raise ValueError(f"request {r.request_id!r}: token ids must be in [0, {vocab})")
+
+  def _fused_verify_plan(self, rows: list[RequestState], is_tree: bool, all_greedy: bool):
+    """``(implementation, jnp_rows)`` for this verify step (see
+    ``EngineConfig.verify_implementation``): the ``pallas_kernels.verify``
+    implementation(s) of the fused sampler, or None for the jnp samplers only; and, under
+    "auto" in a step that mixes temperature-only and top-k/top-p requests, the
+    ``bool[len(rows)]`` rows that take the jnp sampler's result instead (so a request is
+    sampled the same way whatever its batch partners are), else None.
+
+    Raises:
+      NotImplementedError: an explicitly named fused implementation and a tree draft.
+    """
+    impl = self.config.verify_implementation
+    if impl == "auto":
+      if is_tree or all_greedy:
+        return None, None
+      jnp_rows = np.array([bool(st.request.sampling.top_k) or st.request.sampling.top_p < 1
+                           for st in rows])
+      if jnp_rows.all():
+        return None, None
+      return AUTO_VERIFY_IMPLEMENTATION, (jnp_rows if jnp_rows.any() else None)
+    if impl is not None and is_tree:
+      raise NotImplementedError(
+          f"verify_implementation={impl} verifies chains only; this method drafted a tree "
+          "(use verify_implementation='auto' or None)")
+    return impl, None
 
   def _batch_arrays(self, rows: list[RequestState], batch: int):
     temp = np.zeros(batch, np.float32)
@@ -310,18 +336,21 @@ class Engine:
       probs = draft.probs[:, :length] if draft.probs.shape[0] == batch else None
       assert probs is not None, "draft probs must be [B, L, V] for the padded batch"
     all_greedy = all(st.request.sampling.greedy for st in rows)
-    if is_tree and cfg.verify_implementation is not None:
-      raise NotImplementedError(
-          f"verify_implementation={cfg.verify_implementation} verifies chains only; this "
-          "method drafted a tree (use verify_implementation=None)")
+    fused, jnp_rows = self._fused_verify_plan(rows, is_tree, all_greedy)
     if is_tree:
       out, acc, nodes = tree_verify_step(logits, draft_tokens, parents, num_draft, probs, temp,
                                          top_k, top_p, keys, positions, all_greedy=all_greedy)
       hidden = self._commit_tree_path(np.asarray(nodes), np.asarray(acc), positions, table,
                                       hidden)
-    elif cfg.verify_implementation is not None:
+    elif fused is not None:
       out, acc = fused_verify_step(logits, draft_tokens, num_draft, probs, temp, keys, positions,
-                                   implementation=cfg.verify_implementation)
+                                   implementation=fused)
+      if jnp_rows is not None:
+        out_j, acc_j = verify_step(logits, draft_tokens, num_draft, probs, temp, top_k, top_p,
+                                   keys, positions, all_greedy=False)
+        sel = np.zeros(len(acc_j), bool)
+        sel[: len(jnp_rows)] = jnp_rows
+        out, acc = np.where(sel[:, None], out_j, out), np.where(sel, acc_j, acc)
     else:
       out, acc = verify_step(logits, draft_tokens, num_draft, probs, temp, top_k, top_p, keys,
                              positions, all_greedy=all_greedy)

@@ -113,8 +113,9 @@ class EvalConfig:
       (rounded up to a page, at most the target's ``max_position_embeddings``).
     page_size: KV positions per page.
     attention_implementation: paged-attention implementation(s).
-    verify_implementation: ``EngineConfig.verify_implementation`` (None: the jnp
-      rejection sampler; else the fused ``pallas_kernels.verify`` sampler).
+    verify_implementation: ``EngineConfig.verify_implementation`` ("auto": the fused
+      sampler for temperature-only chain steps, else the jnp one; None: the jnp
+      rejection sampler; names: the fused ``pallas_kernels.verify`` sampler).
     request_rate: requests/s of Poisson arrivals (online mode); None = offline (all
       requests at once, ``max_num_seqs`` of them running at a time).
     dtype: "float32" or "bfloat16" for the models.
@@ -152,7 +153,7 @@ class EvalConfig:
   max_model_len: int | None = None
   page_size: int = 16
   attention_implementation: str | tuple[str, ...] = "reference"
-  verify_implementation: str | tuple[str, ...] | None = None
+  verify_implementation: str | tuple[str, ...] | None = "auto"
   request_rate: float | None = None
   dtype: str = "float32"
   warmup: bool = True
@@ -196,7 +197,7 @@ class EvalConfig:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
       raise ValueError(f"methods {unknown} are unknown; known methods: {sorted(METHODS)}")
-    if self.verify_implementation is not None:
+    if self.verify_implementation not in (None, "auto"):
       _check_verify_implementation(self.verify_implementation)
     if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
       raise ValueError(f"matmul_precision={self.matmul_precision!r} must be None or one of "
@@ -456,8 +457,9 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   # What actually ran (the requested list can fall through, e.g. pallas_gpu -> reference
   # for f32): every paged-attention backend traced in this process up to now.
   df["attention_backends_used"] = ",".join(implementations_used())
-  df["verify_backends_used"] = (",".join(verify_implementations_used())
-                                if cfg.verify_implementation is not None else "jnp_rejection_sample")
+  # Fused-sampler backends traced in this process; the jnp sampler (or greedy argmax,
+  # which every choice shares) when none was.
+  df["verify_backends_used"] = ",".join(verify_implementations_used()) or "jnp_rejection_sample"
   total_s = time.perf_counter() - t_start
   if cfg.output_dir is not None:
     _write(cfg, df, output_records)

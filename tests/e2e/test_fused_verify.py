@@ -4,7 +4,8 @@
 G1: greedy SD equals the uncached greedy reference token for token. G2: the first two
 tokens of many seeded draft-model requests at temperature 1.5 follow the target's own
 tempered distribution (chi-square; the draft's distribution fails the same test).
-Bad input: top-k/top-p requests and tree drafts are refused with a clear error.
+Bad input: top-k/top-p requests are refused with a clear error. The default
+``verify_implementation="auto"`` picks the fused sampler only for temperature-only steps.
 """
 
 import numpy as np
@@ -69,3 +70,30 @@ def test_fused_refuses_top_k_top_p_and_unknown_names(make_engine):
     make_engine("draft_model", FUSED).generate([req])
   with pytest.raises(ValueError, match="verify_implementation='cuda'"):
     ENGINE_CONFIG.replace(verify_implementation="cuda")
+
+
+def test_auto_uses_fused_for_temperature_only_steps(make_engine, monkeypatch):
+  """verify_implementation="auto" (the default): the fused sampler for sampled chain
+  steps whose requests use temperature only, not for all-greedy steps, and in a step with
+  a top-k request that request's row from the jnp sampler while the temperature-only
+  rows keep the fused sampler's tokens (the same as without the top-k partner)."""
+  import specjax.engine as engine_mod
+
+  calls = []
+  real = engine_mod.fused_verify_step
+  monkeypatch.setattr(engine_mod, "fused_verify_step",
+                      lambda *a, **kw: calls.append(kw["implementation"]) or real(*a, **kw))
+  assert ENGINE_CONFIG.verify_implementation == "auto"
+  engine = make_engine("draft_model", ENGINE_CONFIG)
+  engine.generate(make_requests(3, 2))  # greedy
+  assert calls == []
+  temp_only = [Request(f"t{i}", DIST_PROMPT, SamplingParams(temperature=1.0, seed=i,
+                                                            max_tokens=6)) for i in range(2)]
+  engine.generate(temp_only)
+  assert calls and set(calls) == {("reference",)}
+  alone = [o.output_token_ids for o in engine.generate(temp_only)[0]]
+  top_k = Request("k", DIST_PROMPT, SamplingParams(temperature=1.0, top_k=3, seed=9, max_tokens=6))
+  mixed, _ = engine.generate([*temp_only, top_k])  # no refusal
+  assert [o.output_token_ids for o in mixed[:2]] == alone
+  k_alone = engine.generate([top_k])[0][0].output_token_ids  # the jnp sampler alone
+  assert mixed[2].output_token_ids == k_alone
