@@ -414,7 +414,8 @@ HEADS: dict[str, HeadSpec] = {
         ("smollm2-135m-eagle", "smollm2-135m", "eagle", ""),
         ("smollm2-135m-mtp", "smollm2-135m", "mtp", " --num_modules=5"),
         ("smollm2-135m-medusa", "smollm2-135m", "medusa", " --num_modules=5"),
-        ("qwen2.5-coder-1.5b-eagle3", "qwen2.5-coder-1.5b", "eagle3", " --dtype=bfloat16"),
+        ("qwen2.5-coder-1.5b-eagle3", "qwen2.5-coder-1.5b", "eagle3",
+         " --dtype=bfloat16 --draft_vocab_size=32768"),
     ]
 }
 
