@@ -131,10 +131,21 @@ def config_from_flags() -> EvalConfig:
       warmup_tokens=_WARMUP_TOKENS.value or None,
       chat_template=_CHAT.value,
       layer_execution=_LAYERS.value,
-      verify_implementation=(None if _VERIFY.value in ([], ["jnp"]) else
-                             _VERIFY.value[0] if len(_VERIFY.value) == 1 else tuple(_VERIFY.value)),
+      verify_implementation=_verify_implementation(_VERIFY.value),
       matmul_precision=_PRECISION.value,
   )
+
+
+def _verify_implementation(values: list[str]):
+  """``--verify_implementation`` -> ``EvalConfig.verify_implementation``; "auto" and
+  "jnp" stand alone, kernel names may be listed (tried in order)."""
+  if len(values) == 1 and values[0] in ("auto", "jnp"):
+    return None if values[0] == "jnp" else "auto"
+  if not values or {"auto", "jnp"} & set(values):
+    raise ValueError(f"--verify_implementation={','.join(values)} must be 'auto', 'jnp', or "
+                     "pallas_kernels.verify implementation names (reference, pallas_triton), "
+                     "tried in order")
+  return values[0] if len(values) == 1 else tuple(values)
 
 
 def main(argv):

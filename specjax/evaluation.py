@@ -212,8 +212,8 @@ def _check_verify_implementation(value) -> None:
   names = (value,) if isinstance(value, str) else tuple(value)
   bad = [n for n in names if n not in IMPLEMENTATIONS]
   if bad or not names:
-    raise ValueError(f"verify_implementation={','.join(names)} must name implementations "
-                     f"from {IMPLEMENTATIONS}")
+    raise ValueError(f"verify_implementation={','.join(names)} must be 'auto', None (the jnp "
+                     f"sampler) or implementation names from {IMPLEMENTATIONS}")
   if "reference" not in names and jax.default_backend() != "gpu":
     raise ValueError(f"verify_implementation={','.join(names)} needs a GPU (backend is "
                      f"{jax.default_backend()!r}); add 'reference' or leave it unset")

@@ -141,7 +141,7 @@ def test_bad_values_raise_before_loading(tiny_models):
     EvalConfig(matmul_precision="exact")
   with pytest.raises(ValueError, match=r"names methods \['eagle'\] that are not in"):
     EvalConfig(methods=("ngram",), method_options={"eagle": {"head_path": "x"}})
-  with pytest.raises(ValueError, match="verify_implementation=cuda must name"):
+  with pytest.raises(ValueError, match="verify_implementation=cuda must be 'auto', None"):
     EvalConfig(verify_implementation="cuda")
   if jax.default_backend() != "gpu":
     with pytest.raises(ValueError, match="pallas_triton needs a GPU"):
@@ -191,8 +191,15 @@ def test_binary_flags_to_config():
   assert cfg.temperature == 0 and cfg.request_rate is None
   assert cfg.matmul_precision == "highest" and cfg.warmup
   assert cfg.method_options == {"ngram": {"n_max": 3}, "draft_model": {"note": (1, 2)}}
+  assert cfg.verify_implementation == "auto"
   with pytest.raises(ValueError, match="METHOD.OPTION=VALUE"):
     evaluate.parse_method_options(["n_max=3"])
+  to_cfg = evaluate._verify_implementation
+  assert to_cfg(["jnp"]) is None and to_cfg(["auto"]) == "auto"
+  assert to_cfg(["pallas_triton", "reference"]) == ("pallas_triton", "reference")
+  for bad in ([], ["auto", "reference"], ["jnp", "reference"]):
+    with pytest.raises(ValueError, match="must be 'auto', 'jnp', or"):
+      to_cfg(bad)
 
 
 @pytest.mark.realmodel
