@@ -71,7 +71,7 @@ class EngineConfig:
     attention_implementation: paged-attention implementation(s), recorded in results.
     verify_implementation: how sampled chain drafts are verified. "auto" (default):
       ``specjax.verify.fused_rejection_sample`` with the jnp row-statistics backend
-      (one sweep over V per position; measured 0.10-0.13x the jnp sampler's time on a
+      (one sweep over V per position; measured 0.06-0.08x the jnp sampler's time on a
       2-core CPU at V = 49152 and 0.12-0.25x on the H200 at V = 128256, L = 4,
       ``benchmarks.bench_verify``) for steps whose requests all use temperature only;
       the jnp rejection sampler (``specjax.verify.rejection_sample``: temperature,
