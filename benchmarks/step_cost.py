@@ -114,15 +114,18 @@ class _Runner:
     idx = np.broadcast_to(np.arange(num_query, dtype=np.int32), (batch, num_query)).copy()
     return tokens, meta, idx
 
-  def step(self, batch: int, context: int, num_query: int, inputs=None) -> None:
-    """One step with ``num_query`` tokens per row at ``context``, waited for."""
+  def dispatch(self, inputs):
+    """Enqueues one step on ``(tokens, meta, idx)`` and returns its logits, not waited for."""
     from specjax.steps import forward_step
 
-    tokens, meta, idx = inputs or self.inputs(batch, context, num_query)
     m = self.model
-    self.kv, logits, _ = forward_step(m.graphdef, m.params, self.kv, tokens, meta, idx,
+    self.kv, logits, _ = forward_step(m.graphdef, m.params, self.kv, *inputs,
                                       implementation=self.cfg.attention_implementation)
-    logits.block_until_ready()
+    return logits
+
+  def step(self, batch: int, context: int, num_query: int, inputs=None) -> None:
+    """One step with ``num_query`` tokens per row at ``context``, waited for."""
+    self.dispatch(inputs or self.inputs(batch, context, num_query)).block_until_ready()
 
   def time_step_pipelined(self, batch: int, context: int, num_query: int) -> float:
     """Mean seconds per step over ``reps`` steps dispatched without waiting in between.
@@ -130,18 +133,13 @@ class _Runner:
     The inputs live on the device; consecutive steps are ordered on it through the
     (donated) KV cache they pass along, and only the last step's logits are waited for.
     """
-    from specjax.steps import forward_step
-
-    tokens, meta, idx = jax.device_put(self.inputs(batch, context, num_query))
-    m, impl = self.model, self.cfg.attention_implementation
+    inputs = jax.device_put(self.inputs(batch, context, num_query))
     for _ in range(3):
-      self.kv, logits, _ = forward_step(m.graphdef, m.params, self.kv, tokens, meta, idx,
-                                        implementation=impl)
+      logits = self.dispatch(inputs)
     logits.block_until_ready()
     t = time.perf_counter()
     for _ in range(self.cfg.reps):
-      self.kv, logits, _ = forward_step(m.graphdef, m.params, self.kv, tokens, meta, idx,
-                                        implementation=impl)
+      logits = self.dispatch(inputs)
     logits.block_until_ready()
     return (time.perf_counter() - t) / self.cfg.reps
 
