@@ -98,15 +98,15 @@ for step in "$@"; do
         --checkpoint_every=1000 --output_dir="$H/eagle3_all"
       tar cf - -C "$H" --exclude=data.npz --exclude=checkpoints eagle3_all | gzip -1 \
         | split -b 4m - "$OUT/eagle3_all.tgz.part" ;;
-    eval_eagle3_all)  # that head: all of Spec-Bench at batch 1 and 4, and more MT-Bench
+    eval_eagle3_all)  # that head: MT-Bench (32 prompts), then all of Spec-Bench at batch 1 and 4
       HP=${HEADS_DIR:-/tmp/specjax_heads}/eagle3_all/head
-      run e3all_spec_bench evaluate --methods=ar,ngram,eagle3 --method_option=eagle3.head_path=$HP \
-        --num_speculative_tokens=5 --num_prompts=48 --batch_sizes=1,4 --layer_execution=scan \
-        --attention_implementation=pallas_gpu,reference --output_dir="$OUT/e3all_spec_bench"
       run e3all_mt_bench evaluate --methods=ar,ngram,eagle3 --method_option=eagle3.head_path=$HP \
         --num_speculative_tokens=5 --categories=mt_bench --num_prompts=32 --batch_sizes=1 \
         --layer_execution=scan --attention_implementation=pallas_gpu,reference \
-        --output_dir="$OUT/e3all_mt_bench" ;;
+        --output_dir="$OUT/e3all_mt_bench"
+      run e3all_spec_bench evaluate --methods=ar,ngram,eagle3 --method_option=eagle3.head_path=$HP \
+        --num_speculative_tokens=5 --num_prompts=48 --batch_sizes=1,4 --layer_execution=scan \
+        --attention_implementation=pallas_gpu,reference --output_dir="$OUT/e3all_spec_bench" ;;
     qwen_draft)  # issue 4: the 0.5B draft model's S on GPU (f32, batch 1, k = 5, both code sets)
       for ds in humaneval instructcoder_edit; do
         run "qwen_draft_$ds" evaluate $QWEN --methods=ar,ngram,draft_model \
@@ -114,7 +114,7 @@ for step in "$@"; do
           --output_dir="$OUT/qwen_draft_$ds"
       done ;;
     tree_chain)  # SmolLM2 EAGLE-3 chain vs EAGLE-2 trees (5 nodes: the chain's verify budget)
-      for shape in chain tree tree16; do
+      for shape in ${TREE_SHAPES:-chain tree tree16}; do
         opts=()
         [ $shape = tree ] && opts=(--method_option=eagle3.tree_nodes=5
                                    --method_option=eagle3.tree_branching=2)
