@@ -175,8 +175,11 @@ def target_features(target, tokens, lengths, feature_layers: tuple[int, ...]):
   return jax.lax.stop_gradient(feats), jnp.argmax(out.logits, -1).astype(jnp.int32)
 
 
-def _loss(params, rest, head_graphdef, target, tokens, lengths, depth):
-  """Returns ``(loss, (per-depth accuracy f32[U], per-depth valid counts f32[U]))``."""
+def _loss(params, rest, head_graphdef, target, tokens, lengths, prompt_lengths, depth):
+  """Returns ``(loss, (hits, valid, response))``, each ``bool[U, B, T]``: depth u's top-1
+  agreement at output q, whether q has a label, and whether that label is a drafted
+  response token (position >= prompt length + 1: the first response token comes from
+  prefill, so speculative decoding never drafts it)."""
   head = nnx.merge(head_graphdef, params, rest)
   cfg = head.cfg
   feats, labels = target_features(target, tokens, lengths, cfg.feature_layers)
@@ -184,7 +187,7 @@ def _loss(params, rest, head_graphdef, target, tokens, lengths, depth):
   b, t = tokens.shape
   q = jnp.arange(t)[None]
   total, norm = 0.0, 0.0
-  accs, counts = [], []
+  hits, valids, responses = [], [], []
   for u, g in enumerate(outs):
     shift, first = head.label_offset(u)
     lab = jnp.concatenate([labels[:, shift:], jnp.zeros((b, shift), jnp.int32)], 1)
@@ -204,10 +207,10 @@ def _loss(params, rest, head_graphdef, target, tokens, lengths, depth):
     else:
       total = total + w * ce
     norm += w
-    hit = (jnp.argmax(logits, -1) == lab_d) & in_vocab
-    accs.append(hit.sum() / count)
-    counts.append(valid.sum().astype(jnp.float32))
-  return total / norm, (jnp.stack(accs), jnp.stack(counts))
+    hits.append((jnp.argmax(logits, -1) == lab_d) & in_vocab)
+    valids.append(valid)
+    responses.append(valid & (q + shift >= prompt_lengths[:, None]))
+  return total / norm, (jnp.stack(hits), jnp.stack(valids), jnp.stack(responses))
 
 
 @functools.partial(jax.jit, static_argnames=("head_graphdef", "target_graphdef", "depth",
@@ -215,19 +218,24 @@ def _loss(params, rest, head_graphdef, target, tokens, lengths, depth):
 def _train_step(params, opt_state, rest, head_graphdef, target_graphdef, target_params, tokens,
                 lengths, *, depth, optimizer):
   target = nnx.merge(target_graphdef, target_params)
-  (loss, (acc, _)), grads = jax.value_and_grad(_loss, has_aux=True)(
-      params, rest, head_graphdef, target, tokens, lengths, depth)
+  no_prompt = jnp.zeros_like(lengths)
+  (loss, (hits, valid, _)), grads = jax.value_and_grad(_loss, has_aux=True)(
+      params, rest, head_graphdef, target, tokens, lengths, no_prompt, depth)
   updates, opt_state = optimizer.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
+  acc = hits.sum((1, 2)) / jnp.maximum(valid.sum((1, 2)), 1)
   return params, opt_state, loss, optax.tree.norm(grads), acc
 
 
 @functools.partial(jax.jit, static_argnames=("head_graphdef", "target_graphdef", "depth"))
 def _eval_step(params, rest, head_graphdef, target_graphdef, target_params, tokens, lengths,
-               *, depth):
+               prompt_lengths, *, depth):
+  """``(loss, per-depth f32[4, U]: hits, labels, response hits, response labels)``."""
   target = nnx.merge(target_graphdef, target_params)
-  loss, (acc, counts) = _loss(params, rest, head_graphdef, target, tokens, lengths, depth)
-  return loss, acc * jnp.maximum(counts, 1), counts
+  loss, (hits, valid, resp) = _loss(params, rest, head_graphdef, target, tokens, lengths,
+                                    prompt_lengths, depth)
+  sums = [hits, valid, hits & resp, resp]
+  return loss, jnp.stack([x.sum((1, 2)).astype(jnp.float32) for x in sums])
 
 
 def _pad_width(data: TokenDataset) -> TokenDataset:
@@ -296,7 +304,8 @@ def train(cfg: TrainConfig, target, train_data: TokenDataset, held_out: TokenDat
     params, opt_state = restored["params"], restored["opt_state"]
   csv_path = os.path.join(out_dir, "metrics.csv")
   fields = (["step", "loss", "learning_rate", "grad_norm", "tokens_per_s", "held_out_loss"]
-            + [f"held_out_top1_pos{u + 1}" for u in range(depth)])
+            + [f"held_out_top1_pos{u + 1}" for u in range(depth)]
+            + [f"held_out_response_top1_pos{u + 1}" for u in range(depth)])
   rows = _csv_rows(csv_path, start)
   schedule_lr = _schedule(cfg)
 
@@ -326,9 +335,11 @@ def train(cfg: TrainConfig, target, train_data: TokenDataset, held_out: TokenDat
     if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
       ev = _evaluate(params, rest, graphdef, target, held_out, cfg.batch_size, depth)
       row["held_out_loss"] = repr(ev[0])
-      for u, a in enumerate(ev[1]):
+      for u, (a, r) in enumerate(zip(ev[1], ev[2])):
         row[f"held_out_top1_pos{u + 1}"] = f"{a:.6f}"
-      bar.set_postfix(loss=f"{loss:.3f}", top1=" ".join(f"{a:.2f}" for a in ev[1]))
+        row[f"held_out_response_top1_pos{u + 1}"] = f"{r:.6f}"
+      bar.set_postfix(loss=f"{loss:.3f}", top1=" ".join(f"{a:.2f}" for a in ev[1]),
+                      response_top1=" ".join(f"{a:.2f}" for a in ev[2]))
     rows.append(row)
     bar.update(1)
     if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
@@ -349,20 +360,24 @@ def train(cfg: TrainConfig, target, train_data: TokenDataset, held_out: TokenDat
 
 
 def _evaluate(params, rest, graphdef, target, data: TokenDataset, batch_size: int, depth: int):
-  """Held-out ``(mean loss, per-depth top-1 agreement)`` over fixed batches."""
-  hits = np.zeros(depth)
-  counts = np.zeros(depth)
+  """Held-out ``(mean loss, per-depth top-1 agreement f32[U], the same over drafted
+  response tokens only f32[U])`` over fixed batches (nan where a depth has no label).
+
+  The second is what the engine's per-position acceptance rate estimates (greedy, on this
+  data's distribution); the first also counts prompt positions.
+  """
+  sums = np.zeros((4, depth))
   losses = []
   n = len(data)
   for s in range(0, n, batch_size):
     idx = np.arange(s, s + batch_size) % n  # the last batch wraps (fixed shapes)
     b = data.take(idx)
-    loss, hit, cnt = _eval_step(params, rest, graphdef, target.graphdef, target.params,
-                                b.tokens, b.lengths, depth=depth)
+    loss, part = _eval_step(params, rest, graphdef, target.graphdef, target.params,
+                            b.tokens, b.lengths, b.prompt_lengths, depth=depth)
     losses.append(float(loss))
-    hits += np.asarray(hit)
-    counts += np.asarray(cnt)
-  return float(np.mean(losses)), hits / np.maximum(counts, 1)
+    sums += np.asarray(part)
+  with np.errstate(invalid="ignore"):  # nan where no (response) label exists
+    return float(np.mean(losses)), sums[0] / sums[1], sums[2] / sums[3]
 
 
 def _plot(rows: list[dict], depth: int, path: str) -> None:
@@ -380,8 +395,13 @@ def _plot(rows: list[dict], depth: int, path: str) -> None:
   ax0.set_ylabel("loss")
   ax0.legend()
   for u in range(depth):
-    ax1.plot([int(r["step"]) for r in ev], [float(r[f"held_out_top1_pos{u + 1}"]) for r in ev],
-             "o-", label=f"position {u + 1}")
+    line, = ax1.plot([int(r["step"]) for r in ev],
+                     [float(r[f"held_out_top1_pos{u + 1}"]) for r in ev], "o-",
+                     label=f"position {u + 1}")
+    resp = [r for r in ev if r.get(f"held_out_response_top1_pos{u + 1}")]
+    ax1.plot([int(r["step"]) for r in resp],
+             [float(r[f"held_out_response_top1_pos{u + 1}"]) for r in resp], "x--",
+             color=line.get_color(), label=f"position {u + 1}, response tokens")
   ax1.set_xlabel("step")
   ax1.set_ylabel("held-out top-1 agreement")
   ax1.legend()

@@ -18,7 +18,15 @@ from flax import nnx
 from methods.eagle3 import Eagle3
 from methods.registry import make_method
 from methods.training.data import TokenDataset, batch_indices, draft_vocabulary
-from methods.training.trainer import TrainConfig, _train_step, make_optimizer, train
+from methods.training.trainer import (
+    TrainConfig,
+    _evaluate,
+    _pad_width,
+    _train_step,
+    make_optimizer,
+    target_features,
+    train,
+)
 from models.heads import (
     HeadConfig,
     load_head,
@@ -280,6 +288,31 @@ def _tiny_data(n=12, width=24, seed=0):
   for row, ln in zip(tokens, lengths):
     row[ln:] = 0
   return TokenDataset(tokens, lengths, np.full(n, 4, np.int32))
+
+
+def test_held_out_response_agreement_counts_only_drafted_response_tokens(target):
+  """All-position vs response-only top-1, checked against an independent recount."""
+  head = _head("eagle", target.config)
+  graphdef, params, rest = nnx.split(head, nnx.Param, ...)
+  data = _pad_width(_tiny_data(n=4, width=32))
+  plen = np.asarray([3, 8, 12, 20], np.int32)
+  model = nnx.merge(target.graphdef, target.params)
+  feats, labels = target_features(model, data.tokens, data.lengths, head.cfg.feature_layers)
+  (g,) = head.unrolled(model, data.tokens, feats, data.lengths, 1)
+  pred = np.asarray(jnp.argmax(head.draft_logits(model, g), -1))
+  labels = np.asarray(labels)
+  q = np.arange(data.tokens.shape[1])[None]
+  valid = q + 1 <= data.lengths[:, None] - 1  # depth 1 predicts the label after q + 1
+  hit = pred[:, :-1] == labels[:, 1:]
+  resp = valid[:, :-1] & (q[:, :-1] + 1 >= plen[:, None])
+  for prompt_lengths, expect in [(np.zeros(4, np.int32), hit[valid[:, :-1]].mean()),
+                                 (plen, hit[resp].mean())]:
+    d = TokenDataset(data.tokens, data.lengths, prompt_lengths)
+    _, all_pos, response = _evaluate(params, rest, graphdef, target, d, 4, 1)
+    np.testing.assert_allclose(all_pos[0], hit[valid[:, :-1]].mean(), rtol=1e-6)
+    np.testing.assert_allclose(response[0], expect, rtol=1e-6)
+  d = TokenDataset(data.tokens, data.lengths, data.lengths)  # no response token at all
+  assert np.isnan(_evaluate(params, rest, graphdef, target, d, 4, 1)[2][0])
 
 
 def test_batch_indices_are_a_function_of_step():
