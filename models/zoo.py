@@ -445,12 +445,19 @@ def head_dir(name: str, cache_dir: str | os.PathLike | None = None) -> str:
 def resolve_head_path(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
   """A head directory from a path or a ``HEADS`` name.
 
+  A path is a head directory (holding ``head_config.json``) or a training run's
+  ``--output_dir`` (its ``head/`` subfolder is returned).
+
   Raises:
-    ValueError: neither an existing directory nor a known name; a known name whose head
-      was not trained yet (the message gives the command that trains it).
+    ValueError: neither a head directory, a training run nor a known name; a known name
+      whose head was not trained yet (the message gives the command that trains it).
   """
   if os.path.isdir(name_or_path):
-    return name_or_path
+    for path in (name_or_path, os.path.join(name_or_path, "head")):
+      if os.path.isfile(os.path.join(path, "head_config.json")):
+        return path
+    raise ValueError(f"head_path={name_or_path!r} holds no head_config.json, in itself or in "
+                     "head/ (a head directory, or a train_draft_head --output_dir)")
   if name_or_path not in HEADS:
     raise ValueError(f"head_path={name_or_path!r} is neither a head directory nor a known head "
                      f"name ({', '.join(sorted(HEADS))})")

@@ -27,4 +27,8 @@ def test_trained_named_head_and_plain_directory_resolve(tmp_path):
   with open(os.path.join(path, "head_config.json"), "w") as f:
     f.write("{}")
   assert resolve_head_path("smollm2-135m-mtp", cache_dir=tmp_path) == path
-  assert resolve_head_path(str(tmp_path)) == str(tmp_path)
+  assert resolve_head_path(path) == path  # a head directory
+  run_dir = os.path.dirname(path)  # a training run's output_dir: its head/
+  assert resolve_head_path(run_dir) == path
+  with pytest.raises(ValueError, match="holds no head_config.json"):
+    resolve_head_path(str(tmp_path))
