@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from models.config import ModelConfig
-from specjax.batch import AttentionMetadata
+from pallas_kernels.paged_attention.metadata import AttentionMetadata
 
 __all__ = ["StepBenchConfig", "LLAMA_8B", "run_step_benchmark", "copy_bandwidth"]
 

@@ -4,7 +4,7 @@ Reads two ``outputs.jsonl`` files written by ``experiments.evaluate`` for the sa
 prompts, pairs records by (method, batch_size, repeat, request_id), and for each pair
 that differs reports the first differing position and the target's top-2 logit margin
 there (recomputed on this machine for the reference run's context, see
-``specjax.divergence``). Writes ``divergences.csv`` and prints a per-method summary.
+``harness.divergence``). Writes ``divergences.csv`` and prints a per-method summary.
 
   python -m experiments.compare_outputs --reference=cpu/outputs.jsonl \
       --other=gpu/outputs.jsonl --target=smollm2-135m --output_dir=results/cpu_vs_gpu
@@ -19,8 +19,8 @@ import jax
 import pandas as pd
 from absl import app, flags
 
-from specjax.divergence import divergence
-from specjax.evaluation import load_model
+from harness.divergence import divergence
+from harness.evaluation import load_model
 from specjax.steps import split_model
 
 _REF = flags.DEFINE_string("reference", None, "Reference outputs.jsonl.", required=True)

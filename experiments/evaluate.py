@@ -1,6 +1,6 @@
 """Runs AR and SD methods over a benchmark and prints tau, c, S_pred and measured speedup.
 
-Flags -> ``specjax.evaluation.EvalConfig`` -> ``run_evaluation``. "ar" (the reference)
+Flags -> ``harness.evaluation.EvalConfig`` -> ``run_evaluation``. "ar" (the reference)
 always runs. Examples:
 
   python -m experiments.evaluate   # smollm2-135m, 24 Spec-Bench prompts, ar,ngram, b=1,4
@@ -14,7 +14,7 @@ import json
 
 from absl import app, flags
 
-from specjax.evaluation import (
+from harness.evaluation import (
     LAYER_EXECUTIONS,
     MATMUL_PRECISIONS,
     EvalConfig,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from methods.base import Method, empty_draft
+from specjax.method import Method, empty_draft
 
 __all__ = ["AutoRegressive"]
 

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from methods.base import Capabilities, Draft, Method
 from models.llama import init_kv_caches
-from specjax.batch import AttentionMetadata
+from pallas_kernels.paged_attention.metadata import AttentionMetadata
+from specjax.method import Capabilities, Draft, Method
 from specjax.sampling import STREAM_DRAFT, position_keys, processed_probs, sample_from_probs
 from specjax.steps import forward_step
 

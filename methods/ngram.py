@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from methods.base import Capabilities, Draft, Method
+from specjax.method import Capabilities, Draft, Method
 
 __all__ = ["NGram", "ngram_lookup"]
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from methods.ar import AutoRegressive
-from methods.base import Method
 from methods.draft_model import DraftModel
 from methods.eagle import Eagle
 from methods.eagle3 import Eagle3
 from methods.medusa import Medusa
 from methods.mtp import MTP
 from methods.ngram import NGram
+from specjax.method import Method
 
 __all__ = ["METHODS", "make_method"]
 

@@ -43,7 +43,7 @@ from pallas_kernels.paged_attention import (
   query_positions,
   write_kv,
 )
-from specjax.batch import AttentionMetadata
+from pallas_kernels.paged_attention.metadata import AttentionMetadata
 
 __all__ = [
     "DecoderLayer",

@@ -22,7 +22,7 @@ from flax import nnx
 
 from models.config import FAMILIES, ModelConfig
 from models.llama import ModelOutput, Transformer, init_kv_caches
-from specjax.batch import AttentionMetadata
+from pallas_kernels.paged_attention.metadata import AttentionMetadata
 
 __all__ = [
     "TINY_LLAMA3_ROPE_SCALING",

@@ -20,30 +20,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from methods.base import Method, PrefillResult, ProposeContext, RuntimeInfo, VerifyResult
 from models.llama import init_kv_caches
-from specjax.batch import AttentionMetadata
+from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.config import AUTO_VERIFY_IMPLEMENTATION, EngineConfig
 from specjax.kv_cache import page_table, pages_needed
+from specjax.method import Method, PrefillResult, ProposeContext, RuntimeInfo, VerifyResult
 from specjax.metrics import CompileMonitor, RunMetrics, StepRecord
 from specjax.request import (
-    Request,
-    RequestOutput,
-    RequestState,
-    default_key_seed,
-    truncate_at_stop,
+  Request,
+  RequestOutput,
+  RequestState,
+  default_key_seed,
+  truncate_at_stop,
 )
 from specjax.sampling import request_key
 from specjax.scheduler import Scheduler
 from specjax.steps import (
-    SplitModel,
-    forward_step,
-    fused_verify_step,
-    gather_rows,
-    move_kv_step,
-    split_model,
-    tree_verify_step,
-    verify_step,
+  SplitModel,
+  forward_step,
+  fused_verify_step,
+  gather_rows,
+  move_kv_step,
+  split_model,
+  tree_verify_step,
+  verify_step,
 )
 from specjax.tree import node_depths, path_moves, tree_mask, tree_positions, validate_tree
 

@@ -16,7 +16,7 @@ from flax import nnx
 
 from models.llama import unstack_layer_params
 from pallas_kernels.paged_attention import copy_kv
-from specjax.batch import AttentionMetadata
+from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.verify import fused_rejection_sample, rejection_sample, tree_rejection_sample
 
 __all__ = ["SplitModel", "split_model", "forward_step", "fused_verify_step", "gather_rows",

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from models.llama import init_kv_caches
-from specjax.batch import AttentionMetadata
+from pallas_kernels.paged_attention.metadata import AttentionMetadata
 
 __all__ = ["greedy_generate"]
 

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from methods.training.data import TokenDataset, batch_indices, draft_vocabulary
 from models.heads import HEAD_KINDS, HeadConfig, make_head, save_head
 from models.llama import init_kv_caches
-from specjax.batch import AttentionMetadata
+from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.steps import SplitModel, split_model
 
 __all__ = ["TrainConfig", "TrainResult", "make_optimizer", "target_features", "train"]

@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from methods.base import Draft, Method
 from models.config import ModelConfig
 from models.llama import Transformer, init_kv_caches
-from specjax.batch import AttentionMetadata
+from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.config import EngineConfig, SamplingParams
+from specjax.method import Draft, Method
 from specjax.request import Request
 from specjax.steps import SplitModel, split_model
 from specjax.tree import chain_parents

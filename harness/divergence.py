@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.llama import init_kv_caches
-from specjax.batch import AttentionMetadata
+from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.steps import SplitModel, forward_step
 
 __all__ = ["Divergence", "first_divergence", "top2_margin", "divergence"]

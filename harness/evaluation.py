@@ -26,7 +26,7 @@ Definitions (per row; see ``specjax.metrics``):
   request's output ids equal AR's; ``num_mismatched`` counts the requests that differ
   and ``first_divergence`` maps each of them to the first differing output position;
   ``divergence_margins`` gives the target's top-2 logit margin there (recomputed for
-  AR's context, ``specjax.divergence``) and ``max_divergence_margin`` the largest: in
+  AR's context, ``harness.divergence``) and ``max_divergence_margin`` the largest: in
   f32 with highest precision there should be none; in bf16 each should be a near-tie.
 """
 
@@ -47,11 +47,11 @@ import jax
 import numpy as np
 import pandas as pd
 
+from harness.divergence import divergence, first_divergence
 from methods.registry import METHODS, make_method
 from pallas_kernels.paged_attention import implementations_used, resolve_implementation
 from pallas_kernels.verify import implementations_used as verify_implementations_used
 from specjax.config import EngineConfig, SamplingParams
-from specjax.divergence import divergence, first_divergence
 from specjax.engine import Engine, bucket
 from specjax.metrics import RunMetrics, matched_c, summarize
 from specjax.request import Request

@@ -10,9 +10,9 @@ import pytest
 from absl import flags
 from absl.testing import flagsaver
 
+from harness import evaluation
+from harness.evaluation import EvalConfig, first_divergence, run_evaluation
 from models import testing
-from specjax import evaluation
-from specjax.evaluation import EvalConfig, first_divergence, run_evaluation
 
 VOCAB = 96
 

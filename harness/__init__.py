@@ -1,0 +1,1 @@
+"""Measurements composed from models, methods and the runtime: evaluation and divergence."""

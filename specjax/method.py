@@ -1,0 +1,175 @@
+"""The method plugin interface: ``propose(state, context)`` and ``observe(state, result)``.
+
+A method is a frozen, keyword-only dataclass (hashable, usable as a static jit
+argument). Its mutable per-run state is a separate object returned by ``init_state``.
+Verification is shared (``specjax.verify``) and knows no method.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar
+
+import numpy as np
+
+__all__ = ["Capabilities", "Draft", "Method", "PrefillResult", "ProposeContext", "RuntimeInfo",
+           "VerifyResult"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+  """What a method needs and emits.
+
+  Attributes:
+    runs_on: "host" (numpy proposer) or "device" (jitted proposer).
+    emits_draft_probs: True if ``Draft.probs`` carries q (needed for stochastic
+      verification against a real draft distribution).
+    target_hidden_layers: HF ``hidden_states`` indices of the target the method reads.
+    tree: True if the method drafts trees (``Draft.parents``); informational: the
+      engine treats a draft as a tree exactly when it carries ``parents``.
+    needs_draft_model: True if the method needs ``--draft``.
+  """
+
+  runs_on: str = "host"
+  emits_draft_probs: bool = False
+  target_hidden_layers: tuple[int, ...] = ()
+  tree: bool = False
+  needs_draft_model: bool = False
+
+
+@dataclasses.dataclass
+class Draft:
+  """Draft tokens for the step's rows.
+
+  Attributes:
+    tokens: ``i32[B, L]``, -1 padded.
+    num_tokens: ``i32[B]`` real draft tokens (tree nodes) per row; the engine keeps at
+      most the row's budget (the first nodes of a tree).
+    probs: optional ``f32[B, L, V]`` draft distributions q (device array): for a tree,
+      the distribution node j's token was drawn from (None when tokens are chosen
+      deterministically, e.g. top-k trees).
+    parents: optional ``i32[B, L]`` tree parent indices (-1 = child of the pending
+      token), parents before children (``specjax.tree``); None for chains.
+  """
+
+  tokens: np.ndarray
+  num_tokens: np.ndarray
+  probs: Any = None
+  parents: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class RuntimeInfo:
+  """What ``init_state`` may use: the loaded target (and draft) and the KV pool geometry."""
+
+  target: Any  # models.zoo.LoadedModel-like: .config, .graphdef, .params
+  draft: Any
+  num_pages: int
+  page_size: int
+  max_model_len: int
+  attention_implementation: Any
+
+
+@dataclasses.dataclass
+class ProposeContext:
+  """The step's rows, as the scheduler sees them (host numpy).
+
+  Attributes:
+    request_ids: one per real row.
+    token_ids: per row, prompt + committed output tokens (the last one is pending:
+      its KV is not yet written).
+    budgets: ``i32[num_rows]`` the most draft tokens each row may get.
+    page_indices: ``i32[B, pages_per_seq]`` page table of the padded batch (B >= rows).
+    temperature, top_k, top_p: ``[B]`` sampling arrays of the padded batch.
+    keys: ``u32[B, 2]`` request keys.
+    new_requests: request ids seen for the first time (or after preemption).
+  """
+
+  request_ids: list
+  token_ids: list[np.ndarray]
+  budgets: np.ndarray
+  page_indices: np.ndarray
+  temperature: np.ndarray
+  top_k: np.ndarray
+  top_p: np.ndarray
+  keys: np.ndarray
+  new_requests: frozenset = frozenset()
+
+
+@dataclasses.dataclass
+class VerifyResult:
+  """What the shared verifier decided for each row of the step.
+
+  Attributes:
+    request_ids: one per real row.
+    num_accepted: ``i32[rows]`` leading accepted drafts (tree: accepted path length).
+    emitted: per row, the tokens actually committed (after stop truncation).
+    finished: request ids that ended this step (their state may be dropped).
+    target_hidden: optional tuple of ``[B, T, D]`` hidden states the method asked for,
+      rows in commit order (trees: row 0 the pending token, row i the accepted node at
+      depth i), so row i belongs to the i-th emitted token's input.
+  """
+
+  request_ids: list
+  num_accepted: np.ndarray
+  emitted: list[list[int]]
+  finished: frozenset
+  target_hidden: tuple = ()
+
+
+@dataclasses.dataclass
+class PrefillResult:
+  """What a prefill step computed, for methods that read target hidden states.
+
+  Only sent when ``Capabilities.target_hidden_layers`` is non-empty.
+
+  Attributes:
+    request_ids: one per real row.
+    starts: ``i32[rows]`` absolute position of each row's first prefilled token.
+    num_tokens: ``i32[rows]`` prefilled tokens per row (row b's hidden states are
+      ``hidden[i][b, :num_tokens[b]]`` for positions ``starts[b] ..``).
+    target_hidden: tuple of ``[B, T, D]`` hidden states, one per requested layer.
+  """
+
+  request_ids: list
+  starts: np.ndarray
+  num_tokens: np.ndarray
+  target_hidden: tuple = ()
+
+
+class Method(abc.ABC):
+  """Base of all SD methods. Subclasses are frozen keyword-only dataclasses."""
+
+  name: ClassVar[str]
+
+  @property
+  @abc.abstractmethod
+  def num_speculative_tokens(self) -> int:
+    """k: the most draft tokens per row per step (0 for plain decoding)."""
+
+  def capabilities(self) -> Capabilities:
+    return Capabilities()
+
+  def init_state(self, runtime: RuntimeInfo) -> Any:
+    return None
+
+  @abc.abstractmethod
+  def propose(self, state: Any, context: ProposeContext) -> tuple[Any, Draft]:
+    """Returns the new state and a ``Draft`` for the rows of ``context``."""
+
+  def observe(self, state: Any, result: VerifyResult) -> Any:
+    return state
+
+  def observe_prefill(self, state: Any, result: PrefillResult) -> Any:
+    """Sees the target hidden states of a prefill (only if it asked for hidden layers)."""
+    return state
+
+  def describe(self) -> dict:
+    """Flat dict of the config, recorded in result rows."""
+    return {"method": self.name, **dataclasses.asdict(self)}
+
+
+def empty_draft(num_rows: int, length: int) -> Draft:
+  """A draft with no tokens (all rows decode one token)."""
+  return Draft(np.full((num_rows, length), -1, np.int32), np.zeros(num_rows, np.int32))
