@@ -82,6 +82,16 @@ class EngineConfig:
       under every choice.
     min_prefill_bucket: smallest padded prefill length (prefill T is bucketed to
       powers of two from here).
+    max_num_batched_tokens: prefill token budget of one engine iteration (vLLM's
+      chunked prefill): one prefill call per iteration covers chunks of several prompts
+      whose padded size (rows x bucketed chunk length) is at most this, so a long prompt
+      arriving online delays running requests by at most one such call per step.
+    async_scheduling: plain-decoding steps are dispatched before the previous step's
+      result is read (its pending tokens come from the device); False: every step waits.
+    synthetic_acceptance: None, or per-position acceptance probabilities in [0, 1]:
+      verification accepts the leading run of Bernoulli draws instead of comparing
+      draft and target (vLLM's synthetic rejection sampling); for timing the engine loop
+      on random weights. Outputs are NOT lossless.
     seed: engine seed for requests without their own.
   """
 
@@ -92,6 +102,9 @@ class EngineConfig:
   attention_implementation: str | tuple[str, ...] = "reference"
   verify_implementation: str | tuple[str, ...] | None = "auto"
   min_prefill_bucket: int = 16
+  max_num_batched_tokens: int = 512
+  async_scheduling: bool = True
+  synthetic_acceptance: tuple[float, ...] | None = None
   seed: int = 0
 
   def __post_init__(self):
@@ -105,7 +118,14 @@ class EngineConfig:
         raise ValueError(f"verify_implementation={self.verify_implementation!r} must be None, "
                          f"'auto' or names from {IMPLEMENTATIONS}")
       object.__setattr__(self, "verify_implementation", names)
-    for name in ("max_num_seqs", "max_model_len", "page_size", "min_prefill_bucket"):
+    if self.synthetic_acceptance is not None:
+      rates = tuple(float(a) for a in self.synthetic_acceptance)
+      if not rates or not all(0.0 <= a <= 1.0 for a in rates):
+        raise ValueError(f"synthetic_acceptance={self.synthetic_acceptance!r} must be a "
+                         "non-empty sequence of probabilities in [0, 1]")
+      object.__setattr__(self, "synthetic_acceptance", rates)
+    for name in ("max_num_seqs", "max_model_len", "page_size", "min_prefill_bucket",
+                 "max_num_batched_tokens"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
     if self.num_pages is not None and self.num_pages < self.pages_per_seq:

@@ -1,10 +1,17 @@
-"""The engine: a Python host loop around jitted prefill / propose / verify steps.
+"""The engine: a Python host loop around one fused device step per iteration.
 
-Each iteration admits arrived requests, prefills the new ones (KV only: the last
-prompt token stays pending), asks the method for drafts, runs one target forward over
-``[pending, d_1 .. d_L]`` per row, verifies with the shared rejection sampler, and
-commits tokens one by one with the stop rules. Offline (all arrivals at 0) and online
-(Poisson arrival times) runs share all of it.
+Each iteration admits arrived requests, prefills prompt chunks of several requests in
+one call under a per-iteration token budget (KV only: the last prompt token stays
+pending), asks the method for drafts, and makes ONE device call
+(``specjax.steps.engine_step``): the target forward over ``[pending, d_1 .. d_L]`` per
+row, verification / sampling and the tree-path KV fix-ups. The host gets one small
+``i32[B, L+2]`` result and commits tokens one by one with the stop rules
+(``specjax.commit``). L is the bucket of the longest draft proposed in the step, not k
+(ragged speculation). Plain decoding steps run asynchronously: step n+1 is dispatched
+(its pending tokens taken on the device from step n's output) before the host reads
+step n, as vLLM's async scheduling does; a row that step n finishes has its step n+1
+output discarded. Offline (all arrivals at 0) and online (Poisson arrival times) runs
+share all of it.
 
 A draft with ``parents`` is a tree (``specjax.tree``): the forward gets a tree mask and
 depth positions, the tree sampler picks a path, and the path's KV (and hidden states)
@@ -22,30 +29,23 @@ import numpy as np
 
 from models.llama import init_kv_caches
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
+from specjax.batch import build_batch
+from specjax.commit import commit_rows
 from specjax.config import AUTO_VERIFY_IMPLEMENTATION, EngineConfig
 from specjax.kv_cache import page_table, pages_needed
 from specjax.method import Method, PrefillResult, ProposeContext, RuntimeInfo, VerifyResult
 from specjax.metrics import CompileMonitor, RunMetrics, StepRecord
 from specjax.request import (
-  Request,
-  RequestOutput,
-  RequestState,
-  default_key_seed,
-  truncate_at_stop,
+    Request,
+    RequestOutput,
+    RequestState,
+    default_key_seed,
+    truncate_at_stop,
 )
 from specjax.sampling import request_key
 from specjax.scheduler import Scheduler
-from specjax.steps import (
-  SplitModel,
-  forward_step,
-  fused_verify_step,
-  gather_rows,
-  move_kv_step,
-  split_model,
-  tree_verify_step,
-  verify_step,
-)
-from specjax.tree import node_depths, path_moves, tree_mask, tree_positions, validate_tree
+from specjax.steps import SplitModel, StepPlan, engine_step, forward_step, split_model
+from specjax.tree import node_depths, tree_mask, tree_positions, validate_tree
 
 __all__ = ["Engine", "bucket"]
 
@@ -106,6 +106,7 @@ class Engine:
     cfg = self.target.config
     itemsize = jnp.dtype(self.kv_caches.dtype).itemsize
     self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    self._prev_last = jnp.zeros(config.max_num_seqs, jnp.int32)
     self.runtime = RuntimeInfo(
         target=self.target, draft=self.draft, num_pages=config.total_pages,
         page_size=config.page_size, max_model_len=config.max_model_len,
@@ -128,6 +129,10 @@ class Engine:
             f"{self.config.max_model_len} (room for at least one generated token)"
         )
       sp = r.sampling
+      if sp.stop and self.decode is None:
+        raise ValueError(
+            f"request {r.request_id!r}: stop={sp.stop!r} needs a detokenizer; this engine "
+            "was built without decode= (pass one, or use stop_token_ids)")
       if self.config.verify_implementation not in (None, "auto") and (sp.top_k or sp.top_p < 1):
         raise ValueError(
             f"request {r.request_id!r}: top_k={sp.top_k}, top_p={sp.top_p} need the jnp "
@@ -137,67 +142,80 @@ class Engine:
       if min(r.prompt_token_ids) < 0 or max(r.prompt_token_ids) >= vocab:
         raise ValueError(f"request {r.request_id!r}: token ids must be in [0, {vocab})")
 
-  def _fused_verify_plan(self, rows: list[RequestState], is_tree: bool, all_greedy: bool):
-    """``(implementation, jnp_rows)`` for this verify step (see
-    ``EngineConfig.verify_implementation``): the ``pallas_kernels.verify``
-    implementation(s) of the fused sampler, or None for the jnp samplers only; and, under
-    "auto" in a step that mixes temperature-only and top-k/top-p requests, the
-    ``bool[len(rows)]`` rows that take the jnp sampler's result instead (so a request is
-    sampled the same way whatever its batch partners are), else None.
+  def _sampler_plan(self, rows: list[RequestState], is_tree: bool):
+    """``(sampler, fused implementation, jnp_rows)`` of a step (``StepPlan.sampler``;
+    see ``EngineConfig.verify_implementation``). Under "auto" a step that mixes
+    temperature-only and top-k/top-p requests runs both samplers and each row takes
+    its own one's result, so a request is sampled the same way whatever its partners.
 
     Raises:
       NotImplementedError: an explicitly named fused implementation and a tree draft.
     """
     impl = self.config.verify_implementation
+    if all(st.request.sampling.greedy for st in rows) and (impl in (None, "auto") or is_tree):
+      return "greedy", AUTO_VERIFY_IMPLEMENTATION, None
     if impl == "auto":
-      if is_tree or all_greedy:
-        return None, None
+      if is_tree:
+        return "jnp", AUTO_VERIFY_IMPLEMENTATION, None
       jnp_rows = np.array([bool(st.request.sampling.top_k) or st.request.sampling.top_p < 1
                            for st in rows])
       if jnp_rows.all():
-        return None, None
-      return AUTO_VERIFY_IMPLEMENTATION, (jnp_rows if jnp_rows.any() else None)
-    if impl is not None and is_tree:
+        return "jnp", AUTO_VERIFY_IMPLEMENTATION, None
+      if jnp_rows.any():
+        return "fused+jnp", AUTO_VERIFY_IMPLEMENTATION, jnp_rows
+      return "fused", AUTO_VERIFY_IMPLEMENTATION, None
+    if impl is None:
+      return "jnp", AUTO_VERIFY_IMPLEMENTATION, None
+    if is_tree:
       raise NotImplementedError(
           f"verify_implementation={impl} verifies chains only; this method drafted a tree "
           "(use verify_implementation='auto' or None)")
-    return impl, None
+    return "fused", tuple(impl), None
 
-  def _batch_arrays(self, rows: list[RequestState], batch: int):
-    temp = np.zeros(batch, np.float32)
-    top_k = np.zeros(batch, np.int32)
-    top_p = np.ones(batch, np.float32)
-    keys = np.zeros((batch, 2), np.uint32)
-    for i, st in enumerate(rows):
-      sp = st.request.sampling
-      temp[i], top_k[i], top_p[i], keys[i] = sp.temperature, sp.top_k, sp.top_p, st.key
-    return temp, top_k, top_p, keys
-
-  def _pages_bucket(self, rows: list[RequestState], num_tokens: list[int]) -> int:
+  def _pages_bucket(self, num_tokens: list[int]) -> int:
     # Page-table width buckets grow 4x (4, 16, 64, ... pages): fewer step shapes to
     # compile for a slightly wider (masked) attention gather.
     need = max(pages_needed(n, self.config.page_size) for n in num_tokens)
     return bucket(need, self.config.pages_per_seq, minimum=4, growth=4)
 
-  def _prefill(self, rows: list[RequestState], metrics: RunMetrics, method_state):
-    """Writes KV for every token but the pending last one (no sampling).
-
-    Methods that read target hidden states get them through ``observe_prefill``.
-    Returns the method state.
-    """
+  # ------------------------------------------------------------------ prefill
+  def _prefill_rows(self, rows: list[RequestState]) -> list[tuple[RequestState, int, int]]:
+    """Chooses this iteration's prefill chunks ``(state, start, end)``: rows in order,
+    each chunk at most ``max_num_batched_tokens`` long, while the padded call (rows x
+    the bucket of the longest chunk) stays within that budget; the first row always
+    gets a chunk. E.g. budget 512 and remaining prompt lengths [40, 1334]: the first
+    call is [40] alone (2 rows x bucket(512) > 512), the long prompt follows in chunks
+    of 512, 512 and 310 in the next iterations, one per engine step."""
     cfg = self.config
-    starts = [st.num_computed for st in rows]
-    ends = [len(st.tokens) - 1 for st in rows]
-    t_len = bucket(max(e - s for s, e in zip(starts, ends)), cfg.max_model_len,
+    budget = cfg.max_num_batched_tokens
+    chosen = []
+    longest = 0
+    for st in rows:
+      start, end = st.num_computed, len(st.tokens) - 1
+      chunk = min(end - start, budget)
+      t_len = bucket(max(longest, chunk), budget, cfg.min_prefill_bucket)
+      if chosen and ((len(chosen) + 1) * t_len > budget
+                     or len(chosen) + 1 > cfg.max_num_seqs):
+        break
+      chosen.append((st, start, start + chunk))
+      longest = max(longest, chunk)
+    return chosen
+
+  def _prefill(self, chunks, metrics: RunMetrics, method_state):
+    """Writes KV for the chunks' tokens (one call; no sampling). Methods that read
+    target hidden states get them through ``observe_prefill``. Returns the method state."""
+    cfg = self.config
+    rows = [st for st, _, _ in chunks]
+    t_len = bucket(max(e - s for _, s, e in chunks), cfg.max_num_batched_tokens,
                    cfg.min_prefill_bucket)
     batch = bucket(len(rows), cfg.max_num_seqs)
     tokens = np.zeros((batch, t_len), np.int32)
     q_lens = np.zeros(batch, np.int32)
     kv_lens = np.zeros(batch, np.int32)
-    for i, (st, s, e) in enumerate(zip(rows, starts, ends)):
+    for i, (st, s, e) in enumerate(chunks):
       tokens[i, : e - s] = st.tokens[s:e]
       q_lens[i], kv_lens[i] = e - s, e
-    width = self._pages_bucket(rows, ends)
+    width = self._pages_bucket([e for _, _, e in chunks])
     meta = AttentionMetadata(page_table([st.pages for st in rows], batch, width), kv_lens, q_lens)
     t0 = time.perf_counter()
     self.kv_caches, logits, hidden = forward_step(
@@ -208,13 +226,14 @@ class Engine:
     jax.block_until_ready(logits)
     metrics.prefill_s += time.perf_counter() - t0
     metrics.num_prefill_tokens += int(q_lens.sum())
-    for st, e in zip(rows, ends):
+    metrics.prefill_calls.append(int(q_lens.sum()))
+    for st, _, e in chunks:
       st.num_computed = e
     if self.caps.target_hidden_layers:
       method_state = self.method.observe_prefill(method_state, PrefillResult(
           request_ids=[st.request.request_id for st in rows],
-          starts=np.asarray(starts, np.int32), num_tokens=q_lens[: len(rows)].copy(),
-          target_hidden=hidden,
+          starts=np.asarray([s for _, s, _ in chunks], np.int32),
+          num_tokens=q_lens[: len(rows)].copy(), target_hidden=hidden,
       ))
     return method_state
 
@@ -233,14 +252,23 @@ class Engine:
 
     Returns:
       ``(outputs: list[RequestOutput] in request order, metrics: RunMetrics)``.
+
+    Raises:
+      ValueError: a bad request (``_validate``) or a bad draft from the method.
     """
     self._validate(requests)
     self._progress = progress
     cfg = self.config
-    sched = Scheduler(cfg, reserve_tokens=self.k)
+    # One extra position: an asynchronous decode step writes one token past the
+    # committed ones while the previous step is in flight.
+    sched = Scheduler(cfg, reserve_tokens=self.k + 1)
     states = []
     for r in requests:
-      seed = r.sampling.seed if r.sampling.seed is not None else default_key_seed(cfg.seed, r.request_id)
+      if r.sampling.seed is not None:
+        seed = r.sampling.seed
+      else:  # fresh per submission: the same request id sent again samples anew
+        seed = default_key_seed(cfg.seed, (self._num_submitted, r.request_id))
+      self._num_submitted += 1
       st = RequestState(r, np.asarray(request_key(seed)), list(r.prompt_token_ids))
       states.append(st)
       sched.add(st)
@@ -248,20 +276,34 @@ class Engine:
     metrics = RunMetrics(kv_bytes_per_token=self.kv_bytes_per_token)
     c0, s0 = CompileMonitor.snapshot()
     start = time.perf_counter()
+    self._window = (start, CompileMonitor.snapshot())
+    inflight = None
     seen_by_method: set = set()
     while sched.has_work:
       now = time.perf_counter() - start
       sched.admit(now)
-      if not sched.running:
-        nxt = sched.next_arrival()
-        time.sleep(max(0.0, nxt - now) if nxt is not None else 0.0)
-        continue
       need = [st for st in sched.running if st.num_computed < len(st.tokens) - 1]
-      # One sequence per prefill call: batching prompts of different lengths would pad
-      # each to the longest (a 40-token prompt next to a 1334-token one costs 1334).
-      for st in need:
-        method_state = self._prefill([st], metrics, method_state)
-      method_state = self._decode_step(sched, method_state, metrics, start, seen_by_method)
+      if need:
+        # Chunked prefill: at most max_num_batched_tokens (padded) per iteration, so a
+        # long prompt delays the running requests by one chunk per step.
+        inflight = self._drain(inflight, sched, metrics, start, method_state)
+        method_state = self._prefill(self._prefill_rows(need), metrics, method_state)
+        self._window = (time.perf_counter(), CompileMonitor.snapshot())
+      ready = [st for st in sched.running if st.num_computed >= len(st.tokens) - 1]
+      if not ready:
+        if inflight is not None:
+          inflight = self._drain(inflight, sched, metrics, start, method_state)
+        elif not sched.running:
+          nxt = sched.next_arrival()
+          time.sleep(max(0.0, nxt - now) if nxt is not None else 0.0)
+          self._window = (time.perf_counter(), CompileMonitor.snapshot())
+        continue
+      if self.k == 0 and cfg.async_scheduling:
+        inflight = self._decode_async(sched, ready, inflight, metrics, start, method_state)
+      else:
+        inflight = self._drain(inflight, sched, metrics, start, method_state)
+        method_state = self._sd_step(sched, method_state, metrics, start, seen_by_method)
+    inflight = self._drain(inflight, sched, metrics, start, method_state)
     metrics.wall_s = time.perf_counter() - start
     c1, s1 = CompileMonitor.snapshot()
     metrics.num_compiles, metrics.compile_s = c1 - c0, s1 - s0
@@ -269,19 +311,159 @@ class Engine:
     assert sched.allocator.num_used == 0, "pages leaked"
     return [self._output(st, start) for st in states], metrics
 
-  def _decode_step(self, sched, method_state, metrics, start, seen_by_method):
+  _num_submitted = 0
+  _progress = None
+
+  # ------------------------------------------------------------------ steps
+  def _plan(self, sampler, fused_impl, length, *, tree=False, probs=False) -> StepPlan:
+    return StepPlan(
+        length=length, sampler=sampler, tree=tree, fused_implementation=tuple(fused_impl),
+        attention_implementation=self.config.attention_implementation,
+        hidden_layers=self.caps.target_hidden_layers, has_draft_probs=probs,
+        synthetic_acceptance=self.config.synthetic_acceptance,
+        num_layers=self.target.config.num_layers, max_num_seqs=self.config.max_num_seqs)
+
+  def _dispatch(self, plan, batch, draft_tokens=None, draft_probs=None, tree_arrays=None):
+    """One ``engine_step`` call; returns its device outputs without waiting."""
+    self.kv_caches, result, self._prev_last, hidden = engine_step(
+        self.target.graphdef, self.target.params, self.kv_caches, self._prev_last,
+        batch.ints, batch.floats, draft_tokens, draft_probs, tree_arrays, plan=plan)
+    return result, hidden
+
+  def _record(self, metrics, rows, batch_bucket, length, width, num_draft, res, times,
+              host_extra=0.0):
+    """Appends the StepRecord of a committed step; ``times`` = (window start, draft_s,
+    verify_s, end) and the step's compile flag comes from its wall window."""
+    t_start, draft_s, verify_s, t_end = times
+    snap = CompileMonitor.snapshot()
+    compiled = snap != self._window[1]
+    metrics.steps.append(StepRecord(
+        num_rows=len(rows), batch_bucket=batch_bucket, query_bucket=length + 1,
+        pages_bucket=width, num_draft_tokens=int(np.sum(num_draft[: len(rows)])),
+        num_accepted=res.num_accepted, num_emitted=res.num_emitted,
+        accepted_per_position=res.accepted_per_position,
+        drafted_per_position=res.drafted_per_position,
+        draft_s=draft_s, verify_s=verify_s, rejection_s=0.0,
+        host_s=max(0.0, (t_end - t_start) - draft_s - verify_s) + host_extra,
+        step_s=t_end - t_start, compiled=compiled,
+    ))
+    self._window = (t_end, snap)
+    if self._progress is not None:
+      self._progress(res.num_emitted)
+
+  def _decode_async(self, sched, ready, inflight, metrics, start, method_state):
+    """Plain decoding: dispatches this step, then commits the one in flight.
+
+    Rows of the in-flight step take their pending token from its device output
+    (``prev_row``) and count its token as written; rows it surely ends (by length) are
+    left out. Returns the new in-flight step.
+    """
     cfg = self.config
-    t_begin = time.perf_counter()
-    compiles_before = CompileMonitor.snapshot()
+    prev_rows = {} if inflight is None else {id(st): i for i, st in enumerate(inflight["rows"])}
+
+    def ends_in_flight(st):  # the in-flight token reaches max_tokens / max_model_len
+      return (st.num_output + 1 >= st.request.sampling.max_tokens
+              or len(st.tokens) + 1 >= cfg.max_model_len)
+
+    rows = [st for st in ready if not (id(st) in prev_rows and ends_in_flight(st))]
+    extra = {st.request.request_id: (1 if id(st) in prev_rows else 0) for st in rows}
+    if not rows or sched.pages_short(extra):
+      # Nothing to overlap, or page pressure (preemption must see committed tokens).
+      inflight = self._drain(inflight, sched, metrics, start, method_state)
+      prev_rows = {}
+      rows = [st for st in sched.running if st.num_computed >= len(st.tokens) - 1]
+      extra = {st.request.request_id: 0 for st in rows}
+      sched.reserve_step(extra)
+      rows = [st for st in rows if st in sched.running]
+      if not rows:
+        return None
+    else:
+      assert not sched.reserve_step(extra), "pages_short said the step fits"
+    t0 = time.perf_counter()
+    batch = bucket(len(rows), cfg.max_num_seqs)
+    lens = [len(st.tokens) + extra[st.request.request_id] for st in rows]
+    width = self._pages_bucket(lens)
+    sampler, fused, jnp_rows = self._sampler_plan(rows, False)
+    sb = build_batch(
+        batch=batch, width=width, length=0, page_tables=[st.pages for st in rows],
+        kv_lens=lens, q_lens=[1] * len(rows), positions=lens,
+        pending=[st.tokens[-1] for st in rows],
+        prev_row=[prev_rows.get(id(st), -1) for st in rows],
+        top_k=[st.request.sampling.top_k for st in rows], keys=[st.key for st in rows],
+        num_draft=[0] * len(rows), temperature=[st.request.sampling.temperature for st in rows],
+        top_p=[st.request.sampling.top_p for st in rows], jnp_rows=jnp_rows)
+    result, _ = self._dispatch(self._plan(sampler, fused, 0), sb)
+    t1 = time.perf_counter()
+    self._drain(inflight, sched, metrics, start, method_state, dispatch_s=t1 - t0)
+    return {"rows": rows, "result": result, "batch": batch, "width": width,
+            "t_dispatched": t1, "dispatch_s": t1 - t0}
+
+  def _drain(self, inflight, sched, metrics, start, method_state, dispatch_s=None):
+    """Waits for and commits the in-flight plain-decoding step (if any); returns None."""
+    if inflight is None:
+      return None
+    result = np.asarray(inflight["result"])
+    t_end = time.perf_counter()
+    rows = inflight["rows"]
+    skip = [st.finish_reason is not None for st in rows]
+    num_draft = np.zeros(len(rows), np.int32)
+    res = commit_rows(rows, result, num_draft, k=0, eos_ids=self.eos_ids,
+                      max_model_len=self.config.max_model_len, decode=self.decode,
+                      now=t_end - start, skip=skip)
+    for st in res.finished:
+      sched.finish(st)
+    t_done = time.perf_counter()
+    t_start = self._window[0]
+    committed = [st for st, s in zip(rows, skip) if not s]
+    if not committed:  # every row ended in the step before: its time joins the next step's
+      return None
+    self._record(metrics, committed, inflight["batch"], 0, inflight["width"], num_draft, res,
+                 (t_start, 0.0, inflight["dispatch_s"], t_done))
+    return None
+
+  def _validate_draft(self, draft, rows: int, budgets: np.ndarray) -> np.ndarray:
+    """Checks a method's ``Draft`` and returns the verified counts ``i32[rows]``
+    (``min(num_tokens, budget)``: the engine keeps the first nodes within the budget).
+
+    Raises:
+      ValueError: counts outside ``[0, tokens.shape[1]]``, or (host drafts) a counted id
+        outside ``[0, vocab)``.
+    """
+    num = np.asarray(draft.num_tokens)
+    width = draft.tokens.shape[1]
+    if num.shape[0] < rows or (num[:rows] < 0).any() or (num[:rows] > width).any():
+      raise ValueError(f"method {self.method.name!r}: Draft.num_tokens={num[:rows].tolist()} "
+                       f"must be in [0, {width}] (the draft's width) for each of {rows} rows")
+    kept = np.minimum(num[:rows], budgets).astype(np.int32)
+    if isinstance(draft.tokens, np.ndarray):
+      vocab = self.target.config.vocab_size
+      for i in range(rows):
+        ids = draft.tokens[i, : kept[i]]
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+          raise ValueError(f"method {self.method.name!r}: row {i} drafted ids {ids.tolist()}; "
+                           f"counted draft tokens must be in [0, {vocab})")
+    return kept
+
+  def _sd_step(self, sched, method_state, metrics, start, seen_by_method):
+    """One synchronous step of a speculative method: propose, one fused device call,
+    commit, observe."""
+    cfg = self.config
+    t_begin = self._window[0]
     budgets = {st.request.request_id: self._budget(st) for st in sched.running}
     for victim in sched.reserve_step(budgets):
       seen_by_method.discard(victim.request.request_id)
-    rows = list(sched.running)
+    rows = [st for st in sched.running if st.num_computed >= len(st.tokens) - 1]
     batch = bucket(len(rows), cfg.max_num_seqs)
-    width = self._pages_bucket(rows, [len(st.tokens) + budgets[st.request.request_id]
-                                      for st in rows])
+    width = self._pages_bucket([len(st.tokens) + budgets[st.request.request_id]
+                                for st in rows])
     table = page_table([st.pages for st in rows], batch, width)
-    temp, top_k, top_p, keys = self._batch_arrays(rows, batch)
+    temp = np.zeros(batch, np.float32)
+    top_k = np.zeros(batch, np.int32)
+    top_p = np.ones(batch, np.float32)
+    keys = np.zeros((batch, 2), np.uint32)
+    for i, st in enumerate(rows):
+      sp = st.request.sampling
+      temp[i], top_k[i], top_p[i], keys[i] = sp.temperature, sp.top_k, sp.top_p, st.key
     ids = [st.request.request_id for st in rows]
     new = frozenset(i for i in ids if i not in seen_by_method)
     seen_by_method.update(ids)
@@ -295,138 +477,69 @@ class Engine:
     if draft.probs is not None:
       jax.block_until_ready(draft.probs)
     t1 = time.perf_counter()
+    kept = self._validate_draft(draft, len(rows), ctx.budgets)
     num_draft = np.zeros(batch, np.int32)
-    num_draft[: len(rows)] = np.minimum(draft.num_tokens, ctx.budgets)
-    length = self.k if num_draft.any() else 0
+    num_draft[: len(rows)] = kept
+    longest = int(num_draft.max(initial=0))
+    length = bucket(longest, self.k) if longest else 0
     is_tree = draft.parents is not None and length > 0
-    tokens = np.zeros((batch, length + 1), np.int32)
-    draft_tokens = np.full((batch, length), -1, np.int32)
-    q_lens = np.zeros(batch, np.int32)
-    kv_lens = np.zeros(batch, np.int32)
-    positions = np.zeros(batch, np.int32)
-    for i, st in enumerate(rows):
-      n = int(num_draft[i])
-      tokens[i, 0] = st.tokens[-1]
-      tokens[i, 1: 1 + n] = draft.tokens[i, :n]
-      draft_tokens[i, :n] = draft.tokens[i, :n]
-      q_lens[i] = 1 + n
-      kv_lens[i] = len(st.tokens) + n
-      positions[i] = len(st.tokens)
-    meta = AttentionMetadata(table, kv_lens, q_lens)
-    parents = reach = None
+    lens = [len(st.tokens) for st in rows]
+    host_drafts = None
+    device_drafts = None
+    if length:
+      if isinstance(draft.tokens, np.ndarray):
+        host_drafts = np.full((len(rows), length), -1, np.int32)
+        for i in range(len(rows)):
+          host_drafts[i, : kept[i]] = draft.tokens[i, : kept[i]]
+      else:
+        device_drafts = draft.tokens
+        if device_drafts.shape[0] != batch:
+          raise ValueError(f"method {self.method.name!r}: device Draft.tokens must have the "
+                           f"padded batch's {batch} rows, got {device_drafts.shape}")
+    sampler, fused, jnp_rows = self._sampler_plan(rows, is_tree)
+    sb = build_batch(
+        batch=batch, width=width, length=length, page_tables=[st.pages for st in rows],
+        kv_lens=[n + int(d) for n, d in zip(lens, kept)], q_lens=[1 + int(d) for d in kept],
+        positions=lens, pending=[st.tokens[-1] for st in rows], prev_row=[-1] * len(rows),
+        top_k=top_k[: len(rows)], keys=keys[: len(rows)], num_draft=kept,
+        temperature=temp[: len(rows)], top_p=top_p[: len(rows)], jnp_rows=jnp_rows,
+        drafts=host_drafts)
+    tree_arrays = reach = None
     if is_tree:
       parents = np.full((batch, length), -1, np.int32)
       for i in range(len(rows)):
         parents[i, : num_draft[i]] = draft.parents[i, : num_draft[i]]
       validate_tree(parents, num_draft)
-      meta = AttentionMetadata(
-          table, kv_lens, q_lens, tree_mask=tree_mask(parents, num_draft, length + 1),
-          positions=tree_positions(parents, num_draft, np.maximum(positions - 1, 0), length + 1))
+      positions = np.zeros(batch, np.int32)
+      positions[: len(rows)] = lens
+      tree_arrays = (parents, tree_mask(parents, num_draft, length + 1),
+                     tree_positions(parents, num_draft, np.maximum(positions - 1, 0), length + 1))
       reach = node_depths(parents, num_draft).max(axis=1)
-    logits_idx = np.broadcast_to(np.arange(length + 1, dtype=np.int32), (batch, length + 1))
-    self.kv_caches, logits, hidden = forward_step(
-        self.target.graphdef, self.target.params, self.kv_caches, tokens, meta, logits_idx,
-        hidden_layers=self.caps.target_hidden_layers,
-        implementation=cfg.attention_implementation,
-    )
-    jax.block_until_ready(logits)
-    t2 = time.perf_counter()
     probs = None
     if draft.probs is not None and length:
-      probs = draft.probs[:, :length] if draft.probs.shape[0] == batch else None
-      assert probs is not None, "draft probs must be [B, L, V] for the padded batch"
-    all_greedy = all(st.request.sampling.greedy for st in rows)
-    fused, jnp_rows = self._fused_verify_plan(rows, is_tree, all_greedy)
-    if is_tree:
-      out, acc, nodes = tree_verify_step(logits, draft_tokens, parents, num_draft, probs, temp,
-                                         top_k, top_p, keys, positions, all_greedy=all_greedy)
-      hidden = self._commit_tree_path(np.asarray(nodes), np.asarray(acc), positions, table,
-                                      hidden)
-    elif fused is not None:
-      out, acc = fused_verify_step(logits, draft_tokens, num_draft, probs, temp, keys, positions,
-                                   implementation=fused)
-      if jnp_rows is not None:
-        out_j, acc_j = verify_step(logits, draft_tokens, num_draft, probs, temp, top_k, top_p,
-                                   keys, positions, all_greedy=False)
-        sel = np.zeros(len(acc_j), bool)
-        sel[: len(jnp_rows)] = jnp_rows
-        out, acc = np.where(sel[:, None], out_j, out), np.where(sel, acc_j, acc)
-    else:
-      out, acc = verify_step(logits, draft_tokens, num_draft, probs, temp, top_k, top_p, keys,
-                             positions, all_greedy=all_greedy)
-    out, acc = np.asarray(out), np.asarray(acc)
+      if draft.probs.shape[0] != batch:
+        raise ValueError(f"method {self.method.name!r}: Draft.probs must be [B, L, V] for the "
+                         f"padded batch B={batch}, got {draft.probs.shape}")
+      probs = draft.probs
+    plan = self._plan(sampler, fused, length, tree=is_tree, probs=probs is not None)
+    t2 = time.perf_counter()
+    result, hidden = self._dispatch(plan, sb, device_drafts, probs, tree_arrays)
+    result = np.asarray(result)
     t3 = time.perf_counter()
-    now = t3 - start
-    emitted_rows, finished = [], set()
-    acc_pos = np.zeros(max(self.k, 1), np.int32)
-    drafted_pos = np.zeros(max(self.k, 1), np.int32)
-    n_emitted = 0
-    for i, st in enumerate(rows):
-      a, n = int(acc[i]), int(num_draft[i])
-      drafted_pos[: n if reach is None else reach[i]] += 1  # rows reaching each depth
-      emitted = []
-      for tok in out[i, : a + 1]:
-        emitted.append(int(tok))
-        if st.append(int(tok), eos_ids=self.eos_ids, max_model_len=cfg.max_model_len,
-                     decode=self.decode):
-          break
-      if st.first_token_at is None:
-        st.first_token_at = now
-      st.num_computed = len(st.tokens) - 1
-      st.num_steps += 1
-      st.num_draft_tokens += n
-      st.num_accepted_tokens += min(a, len(emitted))
-      acc_pos[: min(a, len(emitted))] += 1  # drafts after a stop are not counted
-      n_emitted += len(emitted)
-      emitted_rows.append(emitted)
-      if st.finish_reason is not None:
-        st.finished_at = now
-        finished.add(st.request.request_id)
-        sched.finish(st)
+    res = commit_rows(rows, result, num_draft, k=self.k, eos_ids=self.eos_ids,
+                      max_model_len=cfg.max_model_len, decode=self.decode, now=t3 - start,
+                      reach=reach)
+    for st in res.finished:
+      sched.finish(st)
     method_state = self.method.observe(method_state, VerifyResult(
-        request_ids=ids, num_accepted=acc[: len(rows)], emitted=emitted_rows,
-        finished=frozenset(finished), target_hidden=hidden,
+        request_ids=ids, num_accepted=result[: len(rows), -1].copy(), emitted=res.emitted,
+        finished=frozenset(st.request.request_id for st in res.finished),
+        target_hidden=hidden,
     ))
     t4 = time.perf_counter()
-    compiled = CompileMonitor.snapshot() != compiles_before
-    metrics.steps.append(StepRecord(
-        num_rows=len(rows), batch_bucket=batch, query_bucket=length + 1, pages_bucket=width,
-        num_draft_tokens=int(num_draft.sum()),
-        num_accepted=int(sum(min(int(acc[i]), len(e)) for i, e in enumerate(emitted_rows))),
-        num_emitted=n_emitted, accepted_per_position=acc_pos[: self.k],
-        drafted_per_position=drafted_pos[: self.k],
-        draft_s=t1 - t0, verify_s=t2 - t1, rejection_s=t3 - t2,
-        host_s=(t0 - t_begin) + (t4 - t3), step_s=t4 - t_begin, compiled=compiled,
-    ))
-    if self._progress is not None:
-      self._progress(n_emitted)
+    self._record(metrics, rows, batch, length, width, num_draft, res,
+                 (t_begin, t1 - t0, t3 - t2, t4))
     return method_state
-
-  _progress = None
-
-  def _commit_tree_path(self, nodes, num_accepted, positions, table, hidden):
-    """Moves the accepted tree path's KV to ``root + depth`` and returns the step's
-    hidden states with the path's rows in commit order (root, depth 1, 2, ..).
-
-    Args:
-      nodes: ``i32[B, L]`` accepted node indices by depth (-1 padded).
-      num_accepted: ``i32[B]``.
-      positions: ``i32[B]`` the verify positions (root position + 1).
-      table: the step's page table.
-      hidden: tuple of ``[B, L+1, D]`` (may be empty).
-    """
-    starts = np.maximum(positions - 1, 0)
-    src, dst, any_move = path_moves(nodes, num_accepted, starts)
-    if any_move:
-      self.kv_caches = move_kv_step(self.kv_caches, table, src, dst,
-                                    num_layers=self.target.config.num_layers)
-    if not hidden:
-      return hidden
-    batch, length = nodes.shape
-    rows = np.broadcast_to(np.arange(length + 1, dtype=np.int32), (batch, length + 1)).copy()
-    on_path = np.arange(length)[None] < num_accepted[:, None]
-    rows[:, 1:] = np.where(on_path, nodes + 1, rows[:, 1:])
-    return gather_rows(tuple(hidden), rows)
 
   def _output(self, st: RequestState, start: float) -> RequestOutput:
     arrival = st.request.arrival_time

@@ -83,6 +83,7 @@ class RunMetrics:
 
   steps: list[StepRecord] = dataclasses.field(default_factory=list)
   prefill_s: float = 0.0
+  prefill_calls: list[int] = dataclasses.field(default_factory=list)  # tokens per prefill call
   num_prefill_tokens: int = 0
   compile_s: float = 0.0
   num_compiles: int = 0

@@ -79,7 +79,7 @@ class Scheduler:
     i = 0
     while i < len(self.running):
       state = self.running[i]
-      if self._ensure_pages(state, len(state.tokens) + budgets[state.request.request_id]):
+      if self._ensure_pages(state, len(state.tokens) + budgets.get(state.request.request_id, 0)):
         i += 1
         continue
       # A lone request always fits: EngineConfig checks num_pages >= pages_per_seq.
@@ -88,6 +88,15 @@ class Scheduler:
       self.preempt(victim)
       preempted.append(victim)
     return preempted
+
+  def pages_short(self, budgets: dict) -> bool:
+    """True if ``reserve_step(budgets)`` would have to preempt (a dry run)."""
+    extra = 0
+    for state in self.running:
+      n = min(len(state.tokens) + budgets.get(state.request.request_id, 0),
+              self.config.max_model_len)
+      extra += max(0, pages_needed(n, self.config.page_size) - len(state.pages))
+    return extra > self.allocator.num_free
 
   def preempt(self, state: RequestState) -> None:
     self.running.remove(state)

@@ -80,9 +80,14 @@ def test_auto_uses_fused_for_temperature_only_steps(make_engine, monkeypatch):
   import specjax.engine as engine_mod
 
   calls = []
-  real = engine_mod.fused_verify_step
-  monkeypatch.setattr(engine_mod, "fused_verify_step",
-                      lambda *a, **kw: calls.append(kw["implementation"]) or real(*a, **kw))
+  real = engine_mod.engine_step
+
+  def spy(*a, **kw):
+    if kw["plan"].sampler.startswith("fused"):
+      calls.append(kw["plan"].fused_implementation)
+    return real(*a, **kw)
+
+  monkeypatch.setattr(engine_mod, "engine_step", spy)
   assert ENGINE_CONFIG.verify_implementation == "auto"
   engine = make_engine("draft_model", ENGINE_CONFIG)
   engine.generate(make_requests(3, 2))  # greedy

@@ -69,7 +69,9 @@ def test_greedy_tree_sd_equals_ar(make_engine, reference, workload, layout):
     assert o.num_accepted_tokens == sum(s[1] for s in steps), r.request_id
     all_steps += steps
   assert sum(s.num_accepted for s in metrics.steps) == sum(s[1] for s in all_steps)
-  assert all(s.query_bucket == TREE_K + 1 for s in metrics.steps if s.num_draft_tokens)
+  # Ragged speculation: the verify width is the bucket of the step's largest tree.
+  assert all(s.query_bucket - 1 <= TREE_K for s in metrics.steps)
+  assert all(s.query_bucket > 1 for s in metrics.steps if s.num_draft_tokens)
   best = max(s[1] for s in all_steps)
   want = {"right_second": 4, "right_third_2_levels": 2, "right_first_1_level": 1}[layout]
   assert best <= want

@@ -77,7 +77,8 @@ def test_greedy_tree_sd_equals_ar(target, ar_outputs, kind, workload):
   outputs, metrics = Engine(target, _method(kind, **TREE), ENGINE).generate(requests)
   assert [o.output_token_ids for o in outputs] == ar_outputs(workload)
   assert sum(s.num_draft_tokens for s in metrics.steps) > 0
-  assert all(s.query_bucket == TREE["tree_nodes"] + 1 for s in metrics.steps
+  # Ragged: the verify width is the bucket of the step's largest tree, at most the budget.
+  assert all(1 < s.query_bucket <= TREE["tree_nodes"] + 1 for s in metrics.steps
              if s.num_draft_tokens)
 
 
