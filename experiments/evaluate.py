@@ -74,6 +74,11 @@ _PRECISION = flags.DEFINE_enum(
     "jax.default_matmul_precision for every pass (default 'highest': "
     "full-f32 matmuls on GPUs, for a token-exact lossless check.")
 
+_BATCHED = flags.DEFINE_integer(
+    "max_num_batched_tokens", 512, "Prefill token budget per engine iteration (chunked prefill).")
+_CACHE = flags.DEFINE_boolean(
+    "compilation_cache", True, "JAX persistent compilation cache under $SPECJAX_CACHE.")
+
 
 def parse_method_options(entries: list[str]) -> dict[str, dict[str, object]]:
   """``["eagle.head_path=/h", "ngram.n_max=3"]`` -> ``{"eagle": {"head_path": "/h"}, ...}``.
@@ -133,6 +138,8 @@ def config_from_flags() -> EvalConfig:
       layer_execution=_LAYERS.value,
       verify_implementation=_verify_implementation(_VERIFY.value),
       matmul_precision=_PRECISION.value,
+      max_num_batched_tokens=_BATCHED.value,
+      compilation_cache=_CACHE.value,
   )
 
 

@@ -51,6 +51,7 @@ from harness.divergence import divergence, first_divergence
 from methods.registry import METHODS, make_method
 from pallas_kernels.paged_attention import implementations_used, resolve_implementation
 from pallas_kernels.verify import implementations_used as verify_implementations_used
+from specjax.compile_cache import enable_compilation_cache
 from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine, bucket
 from specjax.metrics import RunMetrics, matched_c, summarize
@@ -134,6 +135,9 @@ class EvalConfig:
       f32 matmuls full f32 on GPUs (whose f32 default may round inputs, so verify steps
       (T = k + 1) and AR steps (T = 1) can round differently and flip near-tied greedy
       tokens); CPUs compute f32 in f32 either way.
+    max_num_batched_tokens: ``EngineConfig.max_num_batched_tokens`` (prefill chunk budget).
+    compilation_cache: use JAX's persistent compilation cache
+      (``specjax.compile_cache``; ``$SPECJAX_CACHE/jax_compilation_cache``).
   """
 
   target: str = "smollm2-135m"
@@ -161,6 +165,8 @@ class EvalConfig:
   chat_template: bool = True
   layer_execution: str = "unrolled"
   matmul_precision: str | None = "highest"
+  max_num_batched_tokens: int = 512
+  compilation_cache: bool = True
 
   def __post_init__(self):
     methods = tuple(dict.fromkeys(["ar", *self.methods]))
@@ -351,6 +357,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
       prompt that does not fit ``max_model_len`` or the target's context.
   """
   t_start = time.perf_counter()
+  if cfg.compilation_cache:
+    enable_compilation_cache()
   k = cfg.num_speculative_tokens
   methods = {name: _make_method(name, k, cfg.method_options.get(name, {}))
              for name in cfg.methods}
@@ -420,6 +428,7 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
           max_num_seqs=batch, max_model_len=max_model_len, page_size=cfg.page_size,
           attention_implementation=cfg.attention_implementation,
           verify_implementation=cfg.verify_implementation, seed=cfg.seed,
+          max_num_batched_tokens=cfg.max_num_batched_tokens,
       )
       engines = {
           name: Engine(target_split, method, engine_cfg,

@@ -385,7 +385,8 @@ class Engine:
     width = self._pages_bucket(lens)
     sampler, fused, jnp_rows = self._sampler_plan(rows, False)
     sb = build_batch(
-        batch=batch, width=width, length=0, page_tables=[st.pages for st in rows],
+        batch=batch, width=width, length=0,
+        page_tables=[st.pages[: pages_needed(n, cfg.page_size)] for st, n in zip(rows, lens)],
         kv_lens=lens, q_lens=[1] * len(rows), positions=lens,
         pending=[st.tokens[-1] for st in rows],
         prev_row=[prev_rows.get(id(st), -1) for st in rows],
@@ -498,7 +499,9 @@ class Engine:
                            f"padded batch's {batch} rows, got {device_drafts.shape}")
     sampler, fused, jnp_rows = self._sampler_plan(rows, is_tree)
     sb = build_batch(
-        batch=batch, width=width, length=length, page_tables=[st.pages for st in rows],
+        batch=batch, width=width, length=length,
+        page_tables=[st.pages[: pages_needed(n + int(d), cfg.page_size)]
+                     for st, n, d in zip(rows, lens, kept)],
         kv_lens=[n + int(d) for n, d in zip(lens, kept)], q_lens=[1 + int(d) for d in kept],
         positions=lens, pending=[st.tokens[-1] for st in rows], prev_row=[-1] * len(rows),
         top_k=top_k[: len(rows)], keys=keys[: len(rows)], num_draft=kept,
