@@ -18,6 +18,7 @@ Split-KV (flash-decoding, Dao et al. 2023): ``BlockSizes.num_splits``; ``default
 use the ``num_splits=None`` rule (``BlockSizes.splits``), whose resolved value is printed.
 
   python3 benchmarks/bench_attention.py            # writes $OUT/bench_attention.csv
+  python3 benchmarks/bench_attention.py --diagnose # first: per-kernel CUPTI times (batch 1)
 """
 
 from __future__ import annotations
@@ -91,12 +92,14 @@ def copy_bandwidth():
   return ceilings
 
 
-def make_inputs(batch, num_tokens, seed=0):
-  """Q for each of ``CALLS`` calls, a KV pool and ``sets`` disjoint page tables into it."""
+def make_inputs(batch, num_tokens, seed=0, context=None):
+  """Q for each of ``CALLS`` calls, a KV pool and ``CALLS`` disjoint page tables into it
+  (one per call: XLA would merge the reference's KV gathers of calls sharing a table)."""
+  context = context or CONTEXT
   rng = np.random.default_rng(seed)
-  pages_per_seq = CONTEXT // PAGE
-  kv_bytes = batch * CONTEXT * 2 * KV_HEADS * HEAD_DIM * 2
-  sets = int(min(CALLS, max(2, -(-POOL_BYTES // kv_bytes))))
+  pages_per_seq = context // PAGE
+  kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * 2
+  sets = CALLS
   num_pages = sets * batch * pages_per_seq + 8
   key = jax.random.key(seed)
   kv = jax.random.normal(key, (num_pages, PAGE, 2 * KV_HEADS, HEAD_DIM), jnp.bfloat16)
@@ -104,7 +107,7 @@ def make_inputs(batch, num_tokens, seed=0):
                          (CALLS, batch, num_tokens, HEADS, HEAD_DIM), jnp.bfloat16)
   tables = rng.permutation(num_pages)[: sets * batch * pages_per_seq]
   tables = jnp.asarray(tables.reshape(sets, batch, pages_per_seq), jnp.int32)
-  kv_lens = jnp.full((batch,), CONTEXT, jnp.int32)
+  kv_lens = jnp.full((batch,), context, jnp.int32)
   q_lens = jnp.full((batch,), num_tokens, jnp.int32)
   return qs, kv, tables, kv_lens, q_lens, kv_bytes
 
@@ -125,13 +128,10 @@ def variants(batch, sm_scale):
       "pallas_gpu": [BlockSizes(pages_per_block=8, num_stages=2, num_splits=1), None],
       "pallas_triton": [BlockSizes(pages_per_block=8, num_stages=4, num_splits=1), None],
   }
-  if batch == 1:
+  if batch == 1:  # (run 1 also timed 64-key blocks with 32 / 64 splits: no faster)
     configs["pallas_gpu"] += [BlockSizes(pages_per_block=8, num_stages=2, num_splits=8),
-                              BlockSizes(pages_per_block=8, num_stages=2, num_splits=32),
-                              BlockSizes(pages_per_block=4, num_stages=2, num_splits=32),
-                              BlockSizes(pages_per_block=4, num_stages=2, num_splits=64)]
-    configs["pallas_triton"] += [BlockSizes(pages_per_block=8, num_stages=4, num_splits=32),
-                                 BlockSizes(pages_per_block=4, num_stages=3, num_splits=64)]
+                              BlockSizes(pages_per_block=8, num_stages=2, num_splits=32)]
+    configs["pallas_triton"] += [BlockSizes(pages_per_block=8, num_stages=4, num_splits=32)]
   for impl, bss in configs.items():
     for bs in bss:
       fn = _backend(impl)
@@ -140,9 +140,46 @@ def variants(batch, sm_scale):
   return out
 
 
+def diagnose(out_dir):
+  """Where batch-1 time goes: per-kernel GPU durations (CUPTI, via Mosaic GPU's profiler)
+  of one call, and the kernel's duration against context length (fixed cost vs slope)."""
+  from jax.experimental.mosaic.gpu import profiler
+
+  sm_scale = HEAD_DIM ** -0.5
+  lines = []
+  for impl, bs in (("pallas_gpu", BlockSizes(pages_per_block=8, num_splits=1)),
+                   ("pallas_gpu", BlockSizes(pages_per_block=8, num_splits=16)),
+                   ("pallas_triton", BlockSizes(pages_per_block=8, num_stages=4, num_splits=1)),
+                   ("pallas_triton", BlockSizes(pages_per_block=8, num_stages=4, num_splits=16))):
+    fn = _backend(impl)
+    for context in (128, 1024, 4096, 16384):
+      qs, kv, tables, kv_lens, q_lens, kv_bytes = make_inputs(1, 1, context=context)
+      call = jax.jit(lambda *a, fn=fn, bs=bs: fn(*a, sm_scale=sm_scale, block_sizes=bs))
+      _, per_kernel = profiler.measure(call, aggregate=False, iterations=5)(
+          qs[0], kv, tables[0], kv_lens, q_lens)
+      names = [n for n, _ in per_kernel[0]]
+      med = [statistics.median(it[i][1] for it in per_kernel) * 1e3 for i in range(len(names))]
+      attn = sum(t for n, t in zip(names, med) if "paged_attention" in n)
+      wall, _, _ = device_time(call, qs, kv, tables, kv_lens, q_lens)
+      line = (f"diag {impl} splits={bs.num_splits} context={context}: kernels(us)="
+              + ", ".join(f"{n[:48]}:{t:.1f}" for n, t in zip(names, med))
+              + f" | attention kernel {attn:.1f} us = {kv_bytes / attn / 1e3:.0f} GB/s,"
+              f" all kernels {sum(med):.1f} us, in-jit wall per call {wall * 1e6:.1f} us")
+      print(line, flush=True)
+      lines.append(line)
+      del qs, kv, tables
+  with open(os.path.join(out_dir, "diagnose.log"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
 def main():
   out_dir = os.environ.get("OUT", "bench_out")
   os.makedirs(out_dir, exist_ok=True)
+  if "--diagnose" in sys.argv:
+    try:
+      diagnose(out_dir)
+    except Exception as e:  # the benchmark below must still run
+      print(f"diagnose FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
   print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
   ceilings = copy_bandwidth()
   for name, value in ceilings.items():
