@@ -92,7 +92,9 @@ def default_block_sizes(backend: str, page_size: int) -> BlockSizes:
   Llama-8B decode shape, batch 32, 4k context, page_size 16 and 64): 128-key blocks were
   fastest for both GPU kernels; Mosaic GPU liked 2 shared-memory stages (more stages
   cost occupancy), Triton 4 pipeline stages with 4 warps. TPU: one 128-key block per grid
-  step (untuned; no TPU was available).
+  step (untuned; no TPU was available). Splits: ``num_splits=None`` (the
+  ``target_ctas=132`` rule); at batch 1 / 4096 its 16 splits beat forced 8 and 32 on the
+  H200 (docs/gpu/session6), and at batch 32 it picks 1.
   """
   if page_size < 1:
     raise ValueError(f"{page_size=} must be >= 1")
