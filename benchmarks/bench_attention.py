@@ -1,12 +1,24 @@
-"""Decode paged-attention bandwidth on one GPU: kernels vs the jnp reference vs HBM copy.
+"""Paged-attention bandwidth on one GPU: kernels (unsplit and split-KV) vs jnp vs HBM copy.
 
-Shape: Llama-8B attention (32 query heads, 8 KV heads, head_dim 128, bf16), batch 32,
-context 4096 (512 MiB of KV), every page read once. Bytes counted = KV bytes read
-(B * S * 2K * H * 2) + Q and O (tiny); achieved GB/s = bytes / median time of 20
-back-to-back calls (7 repeats). Ceilings (see ``copy_bandwidth``) are measured on a
-2 GiB bf16 array in the same process.
+Shape: Llama-8B attention (32 query heads, 8 KV heads, head_dim 128, bf16), page_size 16,
+context 4096, batch 1 and batch 32; decode (T = 1) and, at batch 1, chain verify (T = 4).
+Each KV page is read once per call: KV bytes = B * S * 2K * H * 2 (16 MiB at batch 1,
+512 MiB at batch 32); achieved GB/s counts those plus Q and O.
+
+Timing (``device_us``, the figure GB/s and the fractions use): one jitted program runs
+``CALLS`` attention calls back to back, each with its own queries and its own page table
+into a KV pool of at least 256 MiB (several times the H200's 50 MB L2, so a call does not
+find the previous call's pages in L2), and no host dispatch in between; median of 7
+runs / ``CALLS``. ``host_loop_us`` is the older figure: the same inputs called 20 times
+from Python (host dispatch included, KV L2-warm at batch 1). Ceilings (see
+``copy_bandwidth``) are measured on a 2 GiB bf16 array in the same process; "x copy" is
+against the PyTorch device copy (read + write bytes), else the best XLA ceiling.
+
+Split-KV (flash-decoding, Dao et al. 2023): ``BlockSizes.num_splits``; ``default`` rows
+use the ``num_splits=None`` rule (``BlockSizes.splits``), whose resolved value is printed.
 
   python3 benchmarks/bench_attention.py            # writes $OUT/bench_attention.csv
+  python3 benchmarks/bench_attention.py --diagnose # first: per-kernel CUPTI times (batch 1)
 """
 
 from __future__ import annotations
@@ -24,9 +36,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.paged_attention import _backend, paged_attention_reference  # noqa: E402
-from pallas_kernels.paged_attention.tuning import BlockSizes  # noqa: E402
+from pallas_kernels.paged_attention.tuning import BlockSizes, default_block_sizes  # noqa: E402
 
-BATCH, CONTEXT, HEADS, KV_HEADS, HEAD_DIM = 32, 4096, 32, 8, 128
+CONTEXT, HEADS, KV_HEADS, HEAD_DIM, PAGE = 4096, 32, 8, 128, 16
+CALLS = 12  # attention calls per timed program
+POOL_BYTES = 256 << 20
 
 
 def timed(fn, *args, reps=7, inner=20):
@@ -78,78 +92,142 @@ def copy_bandwidth():
   return ceilings
 
 
-def make_inputs(page_size, num_tokens, seed=0):
+def make_inputs(batch, num_tokens, seed=0, context=None):
+  """Q for each of ``CALLS`` calls, a KV pool and ``CALLS`` disjoint page tables into it
+  (one per call: XLA would merge the reference's KV gathers of calls sharing a table)."""
+  context = context or CONTEXT
   rng = np.random.default_rng(seed)
-  pages_per_seq = CONTEXT // page_size
-  num_pages = BATCH * pages_per_seq + 8
+  pages_per_seq = context // PAGE
+  kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * 2
+  sets = CALLS
+  num_pages = sets * batch * pages_per_seq + 8
   key = jax.random.key(seed)
-  kv = jax.random.normal(key, (num_pages, page_size, 2 * KV_HEADS, HEAD_DIM), jnp.bfloat16)
-  q = jax.random.normal(jax.random.fold_in(key, 1), (BATCH, num_tokens, HEADS, HEAD_DIM),
-                        jnp.bfloat16)
-  page_indices = rng.permutation(num_pages)[: BATCH * pages_per_seq].reshape(BATCH, -1)
-  kv_lens = jnp.full((BATCH,), CONTEXT, jnp.int32)
-  q_lens = jnp.full((BATCH,), num_tokens, jnp.int32)
-  return q, kv, jnp.asarray(page_indices, jnp.int32), kv_lens, q_lens
+  kv = jax.random.normal(key, (num_pages, PAGE, 2 * KV_HEADS, HEAD_DIM), jnp.bfloat16)
+  qs = jax.random.normal(jax.random.fold_in(key, 1),
+                         (CALLS, batch, num_tokens, HEADS, HEAD_DIM), jnp.bfloat16)
+  tables = rng.permutation(num_pages)[: sets * batch * pages_per_seq]
+  tables = jnp.asarray(tables.reshape(sets, batch, pages_per_seq), jnp.int32)
+  kv_lens = jnp.full((batch,), context, jnp.int32)
+  q_lens = jnp.full((batch,), num_tokens, jnp.int32)
+  return qs, kv, tables, kv_lens, q_lens, kv_bytes
+
+
+def device_time(fn, qs, kv, tables, kv_lens, q_lens):
+  """Median seconds per call of ``CALLS`` calls inside one jitted program."""
+  def many(qs, kv, tables, kv_lens, q_lens):
+    return jnp.stack([fn(qs[i], kv, tables[i % tables.shape[0]], kv_lens, q_lens)
+                      for i in range(CALLS)])
+  med, lo, hi = timed(jax.jit(many), qs, kv, tables, kv_lens, q_lens, reps=7, inner=1)
+  return med / CALLS, lo / CALLS, hi / CALLS
+
+
+def variants(batch, sm_scale):
+  ref = jax.jit(lambda *a: paged_attention_reference(*a, sm_scale=sm_scale))
+  out = [("reference", None, ref)]
+  configs = {
+      "pallas_gpu": [BlockSizes(pages_per_block=8, num_stages=2, num_splits=1), None],
+      "pallas_triton": [BlockSizes(pages_per_block=8, num_stages=4, num_splits=1), None],
+  }
+  if batch == 1:  # (run 1 also timed 64-key blocks with 32 / 64 splits: no faster)
+    configs["pallas_gpu"] += [BlockSizes(pages_per_block=8, num_stages=2, num_splits=8),
+                              BlockSizes(pages_per_block=8, num_stages=2, num_splits=32)]
+    configs["pallas_triton"] += [BlockSizes(pages_per_block=8, num_stages=4, num_splits=32)]
+  for impl, bss in configs.items():
+    for bs in bss:
+      fn = _backend(impl)
+      out.append((impl, bs, jax.jit(
+          lambda *a, fn=fn, bs=bs: fn(*a, sm_scale=sm_scale, block_sizes=bs))))
+  return out
+
+
+def diagnose(out_dir):
+  """Where batch-1 time goes: per-kernel GPU durations (CUPTI, via Mosaic GPU's profiler)
+  of one call, and the kernel's duration against context length (fixed cost vs slope)."""
+  from jax.experimental.mosaic.gpu import profiler
+
+  sm_scale = HEAD_DIM ** -0.5
+  lines = []
+  for impl, bs in (("pallas_gpu", BlockSizes(pages_per_block=8, num_splits=1)),
+                   ("pallas_gpu", BlockSizes(pages_per_block=8, num_splits=16)),
+                   ("pallas_triton", BlockSizes(pages_per_block=8, num_stages=4, num_splits=1)),
+                   ("pallas_triton", BlockSizes(pages_per_block=8, num_stages=4, num_splits=16))):
+    fn = _backend(impl)
+    for context in (128, 1024, 4096, 16384):
+      qs, kv, tables, kv_lens, q_lens, kv_bytes = make_inputs(1, 1, context=context)
+      call = jax.jit(lambda *a, fn=fn, bs=bs: fn(*a, sm_scale=sm_scale, block_sizes=bs))
+      _, per_kernel = profiler.measure(call, aggregate=False, iterations=5)(
+          qs[0], kv, tables[0], kv_lens, q_lens)
+      names = [n for n, _ in per_kernel[0]]
+      med = [statistics.median(it[i][1] for it in per_kernel) * 1e3 for i in range(len(names))]
+      attn = sum(t for n, t in zip(names, med) if "paged_attention" in n)
+      wall, _, _ = device_time(call, qs, kv, tables, kv_lens, q_lens)
+      line = (f"diag {impl} splits={bs.num_splits} context={context}: kernels(us)="
+              + ", ".join(f"{n[:48]}:{t:.1f}" for n, t in zip(names, med))
+              + f" | attention kernel {attn:.1f} us = {kv_bytes / attn / 1e3:.0f} GB/s,"
+              f" all kernels {sum(med):.1f} us, in-jit wall per call {wall * 1e6:.1f} us")
+      print(line, flush=True)
+      lines.append(line)
+      del qs, kv, tables
+  with open(os.path.join(out_dir, "diagnose.log"), "w") as f:
+    f.write("\n".join(lines) + "\n")
 
 
 def main():
   out_dir = os.environ.get("OUT", "bench_out")
   os.makedirs(out_dir, exist_ok=True)
+  if "--diagnose" in sys.argv:
+    try:
+      diagnose(out_dir)
+    except Exception as e:  # the benchmark below must still run
+      print(f"diagnose FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
   print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
   ceilings = copy_bandwidth()
   for name, value in ceilings.items():
     print(f"ceiling {name} (2 GiB bf16): {value / 1e9:.0f} GB/s", flush=True)
-  copy_bw = max(ceilings.values())  # fractions below are of the best streaming ceiling
+  copy_bw = ceilings.get("torch_copy_rw", max(ceilings.values()))
   rows = []
   sm_scale = HEAD_DIM ** -0.5
-  for page_size, num_tokens in ((16, 1), (64, 1), (16, 4)):  # decode; chain verify L = 3
-    args = make_inputs(page_size, num_tokens)
-    q, kv = args[0], args[1]
-    kv_bytes = BATCH * CONTEXT * 2 * KV_HEADS * HEAD_DIM * kv.dtype.itemsize
-    total_bytes = kv_bytes + 2 * q.size * q.dtype.itemsize
-    ref_fn = jax.jit(lambda *a: paged_attention_reference(*a, sm_scale=sm_scale))
-    ref = ref_fn(*args)
-
-    def pages(keys, page_size=page_size):
-      return max(1, keys // page_size)
-
-    variants = [("reference", None, ref_fn)]
-    for impl, configs in (
-        ("pallas_gpu", [None, BlockSizes(pages_per_block=pages(64), num_stages=4),
-                        BlockSizes(pages_per_block=pages(128), num_stages=2),
-                        BlockSizes(pages_per_block=pages(128), num_stages=3)]),
-        ("pallas_triton", [None, BlockSizes(pages_per_block=pages(128), num_stages=3),
-                           BlockSizes(pages_per_block=pages(256), num_warps=8, num_stages=3),
-                           BlockSizes(pages_per_block=pages(128), num_stages=4)]),
-    ):
-      for bs in configs:
-        fn = _backend(impl)
-        variants.append((impl, bs, jax.jit(
-            lambda *a, fn=fn, bs=bs: fn(*a, sm_scale=sm_scale, block_sizes=bs))))
-    for impl, bs, fn in variants:
-      label = f"{impl}[{'default' if bs is None else bs}]" if impl != "reference" else impl
+  for batch, num_tokens in ((1, 1), (1, 4), (32, 1)):  # decode; chain verify L = 3
+    qs, kv, tables, kv_lens, q_lens, kv_bytes = make_inputs(batch, num_tokens)
+    total_bytes = kv_bytes + 2 * qs[0].size * qs.dtype.itemsize
+    one = (qs[0], kv, tables[0], kv_lens, q_lens)
+    ref = None
+    for impl, bs, fn in variants(batch, sm_scale):
+      if impl == "reference":
+        label, splits = impl, 1
+      else:
+        resolved = bs or default_block_sizes(impl, PAGE)
+        splits = resolved.splits(batch=batch, num_kv_heads=KV_HEADS,
+                                 max_blocks=-(-CONTEXT // resolved.block_kv(PAGE)))
+        label = (f"{impl}[{'default' if bs is None else 'forced'} "
+                 f"{resolved.block_kv(PAGE)} keys/block, splits={splits}]")
       try:
-        out = fn(*args)
+        out = fn(*one)
+        ref = out if ref is None else ref
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-        med, lo, hi = timed(fn, *args)
+        med, lo, hi = device_time(fn, qs, kv, tables, kv_lens, q_lens)
+        host, _, _ = timed(fn, *one)
       except Exception as e:  # report and go on: one bad config must not hide the rest
-        print(f"P={page_size} T={num_tokens} {label}: FAILED {type(e).__name__}: "
-              f"{str(e)[:300]}", flush=True)
-        rows.append(dict(page_size=page_size, num_tokens=num_tokens, impl=impl,
-                         block_sizes=str(bs), error=f"{type(e).__name__}"))
+        print(f"B={batch} T={num_tokens} {label}: FAILED {type(e).__name__}: "
+              f"{str(e)[:400]}", flush=True)
+        rows.append(dict(batch=batch, num_tokens=num_tokens, impl=impl, block_sizes=str(bs),
+                         num_splits=splits, error=f"{type(e).__name__}"))
         continue
       gbps = total_bytes / med / 1e9
       rows.append(dict(
-          page_size=page_size, num_tokens=num_tokens, impl=impl, block_sizes=str(bs),
-          median_us=round(med * 1e6, 1), min_us=round(lo * 1e6, 1), max_us=round(hi * 1e6, 1),
-          GBps=round(gbps, 1), frac_of_best_ceiling=round(gbps * 1e9 / copy_bw, 3),
-          max_abs_err=err, **{f"{k}_GBps": round(v / 1e9, 1) for k, v in ceilings.items()},
+          batch=batch, num_tokens=num_tokens, page_size=PAGE, context=CONTEXT, impl=impl,
+          block_sizes=str(bs), num_splits=splits, ctas=batch * KV_HEADS * splits,
+          device_us=round(med * 1e6, 2), min_us=round(lo * 1e6, 2), max_us=round(hi * 1e6, 2),
+          host_loop_us=round(host * 1e6, 1), GBps=round(gbps, 1),
+          frac_of_copy=round(gbps * 1e9 / copy_bw, 3), max_abs_err_vs_ref=err,
+          **{f"{k}_GBps": round(v / 1e9, 1) for k, v in ceilings.items()},
           jax=jax.__version__, device=jax.devices()[0].device_kind,
       ))
-      print(f"P={page_size} T={num_tokens} {label}: {med * 1e6:.1f} us "
-            f"(min {lo * 1e6:.1f}, max {hi * 1e6:.1f}) {gbps:.0f} GB/s "
-            f"= {gbps * 1e9 / copy_bw:.2f} x best ceiling, max|err| {err:.3g}", flush=True)
-  keys = sorted({k for r in rows for k in r})
+      print(f"B={batch} T={num_tokens} {label}: {med * 1e6:.1f} us (min {lo * 1e6:.1f}, "
+            f"max {hi * 1e6:.1f}; host loop {host * 1e6:.1f}) {gbps:.0f} GB/s "
+            f"= {gbps * 1e9 / copy_bw:.3f} x copy, max|err| {err:.3g}", flush=True)
+    del qs, kv, tables
+  keys = list(dict.fromkeys(k for r in rows for k in r))
   with open(os.path.join(out_dir, "bench_attention.csv"), "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=keys)
     writer.writeheader()

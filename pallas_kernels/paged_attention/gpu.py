@@ -14,6 +14,15 @@ memory tile, ``num_stages`` blocks in flight, one barrier per page copy. Per blo
 ``S = Q K^T`` (wgmma, f32 accumulator), mask, online softmax in registers, ``O += P V``
 (wgmma, P from registers).
 
+Split-KV (flash-decoding, Dao et al. 2023; see ``split.py``): when ``num_splits > 1``
+(``BlockSizes.splits``: by default only when ``B * K`` CTAs are fewer than
+``target_ctas``) the grid is ``(B, K, S)``; CTA ``(b, k, s)`` walks its share of the
+blocks (``split.split_range``) and writes its normalized partial output (f32, only the
+first ``ceil(T * G / 8) * 8`` rows) and per-row log-sum-exp through one extra f32 shared
+memory tile; ``split.combine`` (jnp, one XLA fusion) merges them. Decode, chain verify,
+tree masks and sliding windows all split (masks depend on absolute key positions only).
+With ``num_splits == 1`` the kernel is the unsplit one (grid ``(B, K)``, bf16/f16 output).
+
 Dynamic precondition (the engine's page tables satisfy it): every page holding a
 position ``< kv_lens[b]`` is mapped (``>= 0``). Unmapped pages past that are read as page
 0 and masked; slots at or past ``kv_lens[b]`` are zeroed in shared memory before the
@@ -31,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.paged_attention import common
+from pallas_kernels.paged_attention import common, split
 from pallas_kernels.paged_attention.tuning import BlockSizes, default_block_sizes
 
 try:  # Mosaic GPU's Python side; keep the package importable without it.
@@ -43,6 +52,7 @@ __all__ = ["paged_attention_mosaic_gpu", "smem_bytes"]
 
 _SMEM_LIMIT = 227 * 1024  # H100/H200 opt-in shared memory per block
 _LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
 
 
 def _interpret_params():
@@ -53,21 +63,27 @@ def _interpret_params():
   return params()
 
 
-def smem_bytes(rows: int, head_dim: int, block_kv: int, num_stages: int, itemsize: int) -> int:
-  """Shared memory of one CTA: the Q/O tile plus ``num_stages`` K and V blocks."""
-  return (rows + 2 * num_stages * block_kv) * head_dim * itemsize
+def smem_bytes(rows: int, head_dim: int, block_kv: int, num_stages: int, itemsize: int,
+               num_splits: int = 1) -> int:
+  """Shared memory of one CTA: the Q/O tile plus ``num_stages`` K and V blocks, plus
+  (split) an f32 partial-output tile and an f32 log-sum-exp row."""
+  split_bytes = rows * (head_dim + 1) * 4 if num_splits > 1 else 0
+  return (rows + 2 * num_stages * block_kv) * head_dim * itemsize + split_bytes
 
 
 def _kernel(
     kv_lens_ref, q_lens_ref, pages_ref, q_ref, kv_ref, *rest,
     group: int, num_tokens: int, page_size: int, pages_per_block: int, num_stages: int,
     sm_scale: float, sliding_window: int | None, has_tree: bool, interpret: bool,
+    num_splits: int, split_rows: int,
 ):
-  if has_tree:
-    bits_ref, o_ref, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars = rest
-  else:
-    o_ref, q_smem, k_smem, v_smem, q_bar, k_bars, v_bars = rest
-    bits_ref = None
+  refs = list(rest)
+  bits_ref = refs.pop(0) if has_tree else None
+  o_ref = refs.pop(0)
+  lse_ref = refs.pop(0) if num_splits > 1 else None
+  q_smem, k_smem, v_smem = refs[:3]
+  o32_smem, lse_smem = refs[3:5] if num_splits > 1 else (None, None)
+  q_bar, k_bars, v_bars = refs[-3:]
   rows, head_dim = q_smem.shape
   block_kv = pages_per_block * page_size
   dtype = q_smem.dtype
@@ -82,6 +98,8 @@ def _kernel(
   first = lax.div(lo, jnp.int32(block_kv))
   last = jnp.where(q_len > 0, lax.div(kv_len + (block_kv - 1), jnp.int32(block_kv)), first)
   num_blocks = jnp.maximum(last - first, 0)
+  if num_splits > 1:
+    first, num_blocks = split.split_range(lax.axis_index("s"), num_splits, first, num_blocks)
 
   total_blocks = pages_ref.shape[1] // pages_per_block
 
@@ -206,9 +224,21 @@ def _kernel(
   m_i = with_layout(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
   l_i = with_layout(jnp.zeros((rows,), jnp.float32), row_layout)
   ahead_pages = load_pages(first + num_stages - 1)
-  acc, _, l_i, _ = lax.fori_loop(0, num_blocks, body, (acc, m_i, l_i, ahead_pages))
-  l_i = jnp.where(l_i > 0, l_i, 1.0)
+  acc, m_i, l_i, _ = lax.fori_loop(0, num_blocks, body, (acc, m_i, l_i, ahead_pages))
+  seen = l_i > 0
+  l_i = jnp.where(seen, l_i, 1.0)
   acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+  if num_splits > 1:
+    # Natural-log LSE from the base-2 running max; -inf where this split saw nothing.
+    o32_smem[...] = acc
+    lse_smem[...] = jnp.where(seen, m_i * _LN2 + jnp.log(l_i), -jnp.inf)
+    plgpu.commit_smem()
+    s_idx = lax.axis_index("s")
+    head = (lambda ref: ref) if split_rows == rows else (lambda ref: ref.at[pl.ds(0, split_rows)])
+    plgpu.copy_smem_to_gmem(head(o32_smem), o_ref.at[b, kh, s_idx])
+    plgpu.copy_smem_to_gmem(head(lse_smem), lse_ref.at[b, kh, s_idx])
+    plgpu.wait_smem_to_gmem(0)
+    return
   q_smem[...] = acc.astype(dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, kh])
@@ -216,10 +246,11 @@ def _kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret")
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret", "num_splits"),
 )
 def _call(q, kv_pages, page_indices, kv_lens, q_lens, tree_mask, *, sm_scale, sliding_window,
-          block_sizes: BlockSizes, interpret: bool):
+          block_sizes: BlockSizes, interpret: bool, num_splits: int = 1):
   batch, num_tokens, num_heads, head_dim = q.shape
   _, page_size, two_k, _ = kv_pages.shape
   num_kv_heads = two_k // 2
@@ -242,28 +273,47 @@ def _call(q, kv_pages, page_indices, kv_lens, q_lens, tree_mask, *, sm_scale, sl
   swizzle = 128
   transforms = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)),
                 plgpu.SwizzleTransform(swizzle))
+  split_rows = -(-(num_tokens * group) // 8) * 8  # real rows, 8-row (tile) aligned
   kernel = functools.partial(
       _kernel, group=group, num_tokens=num_tokens, page_size=page_size, pages_per_block=ppb,
       num_stages=stages, sm_scale=sm_scale, sliding_window=sliding_window, has_tree=has_tree,
-      interpret=interpret,
+      interpret=interpret, num_splits=num_splits, split_rows=split_rows,
   )
+  scratch = [
+      plgpu.SMEM((rows, head_dim), q.dtype, transforms=transforms),
+      plgpu.SMEM((stages, block_kv, head_dim), q.dtype, transforms=transforms),
+      plgpu.SMEM((stages, block_kv, head_dim), q.dtype, transforms=transforms),
+  ]
+  if num_splits > 1:
+    f32_transforms = (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+    scratch += [plgpu.SMEM((rows, head_dim), jnp.float32, transforms=f32_transforms),
+                plgpu.SMEM((rows,), jnp.float32)]
+    out_type = [
+        jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, split_rows, head_dim),
+                             jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, split_rows), jnp.float32),
+    ]
+    grid, grid_names = (batch, num_kv_heads, num_splits), ("b", "k", "s")
+  else:
+    out_type = jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), q.dtype)
+    grid, grid_names = (batch, num_kv_heads), ("b", "k")
+  scratch += [
+      plgpu.Barrier(num_barriers=1),
+      plgpu.Barrier(num_barriers=stages * ppb),
+      plgpu.Barrier(num_barriers=stages * ppb),
+  ]
   out = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), q.dtype),
-      scratch_types=[
-          plgpu.SMEM((rows, head_dim), q.dtype, transforms=transforms),
-          plgpu.SMEM((stages, block_kv, head_dim), q.dtype, transforms=transforms),
-          plgpu.SMEM((stages, block_kv, head_dim), q.dtype, transforms=transforms),
-          plgpu.Barrier(num_barriers=1),
-          plgpu.Barrier(num_barriers=stages * ppb),
-          plgpu.Barrier(num_barriers=stages * ppb),
-      ],
-      grid=(batch, num_kv_heads),
-      grid_names=("b", "k"),
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=grid,
+      grid_names=grid_names,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_interpret_params() if interpret else None,
-      kernel_name=f"paged_attention_mosaic_gpu_r{rows}_bkv{block_kv}_s{stages}",
+      kernel_name=f"paged_attention_mosaic_gpu_r{rows}_bkv{block_kv}_s{stages}_k{num_splits}",
   )(*operands)
+  if num_splits > 1:
+    out = split.combine(*out).astype(q.dtype)
   return common.from_row_tiles(out, num_tokens, num_heads)
 
 
@@ -290,7 +340,9 @@ def paged_attention_mosaic_gpu(
     NotImplementedError: not a Hopper-or-newer GPU (and not ``interpret``); dtype not
       bf16/f16; head_dim not a multiple of 64; page_size not a multiple of 8; block not
       a multiple of 64 keys; more than 128 query rows (T * G) per KV head; tree mask
-      with T > 31; shared memory over budget; explicit ``positions`` with a sliding window.
+      with T > 31; shared memory over budget (the split kernel needs
+      ``rows * (head_dim + 1) * 4`` bytes more); explicit ``positions`` with a sliding
+      window.
   """
   common.check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tree_mask,
                       positions)
@@ -324,12 +376,16 @@ def paged_attention_mosaic_gpu(
   if block_sizes.num_stages < 2:
     raise NotImplementedError(f"pallas_gpu needs num_stages >= 2; {block_sizes=}")
   rows = 64 if num_tokens * group <= 64 else 128
-  need = smem_bytes(rows, head_dim, block_kv, block_sizes.num_stages, q.dtype.itemsize)
+  max_blocks = -(-page_indices.shape[1] // block_sizes.pages_per_block)
+  num_splits = block_sizes.splits(batch=q.shape[0], num_kv_heads=kv_pages.shape[2] // 2,
+                                  max_blocks=max_blocks)
+  need = smem_bytes(rows, head_dim, block_kv, block_sizes.num_stages, q.dtype.itemsize,
+                    num_splits)
   if need > _SMEM_LIMIT:
     raise NotImplementedError(f"pallas_gpu needs {need} B of shared memory > {_SMEM_LIMIT}")
   return _call(
       q, kv_pages, page_indices, kv_lens, q_lens, tree_mask,
       sm_scale=float(sm_scale),
       sliding_window=None if sliding_window is None else int(sliding_window),
-      block_sizes=block_sizes, interpret=bool(interpret),
+      block_sizes=block_sizes, interpret=bool(interpret), num_splits=num_splits,
   )

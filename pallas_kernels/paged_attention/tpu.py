@@ -221,7 +221,8 @@ def paged_attention_tpu(
     NotImplementedError: not on a TPU (and not ``interpret``); dtype not f32/bf16 or
       q and kv dtypes differ; ``2K`` heads not fully tileable (as in JAX's ragged paged
       attention); page_size not a multiple of the sublane tile; tree mask with T > 31;
-      explicit ``positions`` with a sliding window.
+      explicit ``positions`` with a sliding window; a forced ``block_sizes.num_splits``
+      > 1 (split-KV is GPU-only; ``None`` means one split here).
   """
   common.check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tree_mask,
                       positions)
@@ -244,6 +245,8 @@ def paged_attention_tpu(
     raise NotImplementedError(f"tree masks need T <= {common.MAX_TREE_TOKENS}; got {num_tokens}")
   if block_sizes is None:
     block_sizes = default_block_sizes("pallas_tpu", page_size)
+  if block_sizes.num_splits not in (None, 1):
+    raise NotImplementedError(f"pallas_tpu does not split KV; got {block_sizes.num_splits=}")
   return _call(
       q, kv_pages, page_indices, kv_lens, q_lens, tree_mask,
       sm_scale=float(sm_scale),

@@ -9,6 +9,11 @@ Grid ``(B, K)``: one program per sequence and KV head holds the ``rows`` query r
 that head's group (``common.to_row_tiles``) and walks the sequence's pages in blocks of
 ``pages_per_block`` pages with an online softmax. Blocks wholly outside the causal /
 sliding window range of the row's queries are never read.
+
+Split-KV (flash-decoding, Dao et al. 2023; see ``split.py``): with ``num_splits > 1``
+(``BlockSizes.splits``) the grid is ``(B, K, S)``; program ``(b, k, s)`` walks its share
+of the blocks and writes an f32 partial output and per-row log-sum-exp, merged by
+``split.combine`` (jnp). Decode, verify, tree masks and sliding windows all split.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.paged_attention import common
+from pallas_kernels.paged_attention import common, split
 from pallas_kernels.paged_attention.tuning import BlockSizes, default_block_sizes
 
 try:  # Absent from some jaxlib builds; the module must still import on CPU.
@@ -40,12 +45,12 @@ def _next_power_of_two(x: int) -> int:
 def _kernel(
     kv_lens_ref, q_lens_ref, pages_ref, q_ref, k_ref, v_ref, *rest,
     group: int, page_size: int, pages_per_block: int, sm_scale: float,
-    sliding_window: int | None, has_tree: bool, precision,
+    sliding_window: int | None, has_tree: bool, precision, num_splits: int,
 ):
-  if has_tree:
-    bits_ref, o_ref = rest
-  else:
-    (o_ref,) = rest
+  refs = list(rest)
+  bits_ref = refs.pop(0) if has_tree else None
+  o_ref = refs.pop(0)
+  lse_ref = refs.pop(0) if num_splits > 1 else None
   b = pl.program_id(0)
   rows, head_dim = q_ref.shape
   block_kv = pages_per_block * page_size
@@ -62,7 +67,11 @@ def _kernel(
 
   lo = jnp.int32(0) if sliding_window is None else jnp.maximum(start - sliding_window + 1, 0)
   first_block = lo // block_kv
-  num_blocks = jnp.where(q_len > 0, pl.cdiv(kv_len, block_kv), 0)
+  last_block = jnp.where(q_len > 0, pl.cdiv(kv_len, block_kv), first_block)
+  if num_splits > 1:
+    first_block, count = split.split_range(
+        pl.program_id(2), num_splits, first_block, jnp.maximum(last_block - first_block, 0))
+    last_block = first_block + count
 
   def body(i, carry):
     acc, m, l = carry
@@ -101,15 +110,20 @@ def _kernel(
       jnp.full((rows,), -jnp.inf, jnp.float32),
       jnp.zeros((rows,), jnp.float32),
   )
-  acc, _, l = lax.fori_loop(first_block, num_blocks, body, init)
-  o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+  acc, m, l = lax.fori_loop(first_block, last_block, body, init)
+  seen = l > 0
+  l = jnp.where(seen, l, 1.0)
+  o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+  if num_splits > 1:
+    lse_ref[...] = jnp.where(seen, m + jnp.log(l), -jnp.inf)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret")
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret", "num_splits"),
 )
 def _call(q, kv_pages, page_indices, kv_lens, q_lens, tree_mask, *, sm_scale, sliding_window,
-          block_sizes: BlockSizes, interpret: bool):
+          block_sizes: BlockSizes, interpret: bool, num_splits: int = 1):
   batch, num_tokens, num_heads, head_dim = q.shape
   num_pages, page_size, two_k, _ = kv_pages.shape
   num_kv_heads = two_k // 2
@@ -127,37 +141,54 @@ def _call(q, kv_pages, page_indices, kv_lens, q_lens, tree_mask, *, sm_scale, sl
   operands = [kv_lens.astype(jnp.int32), q_lens.astype(jnp.int32), page_indices, q_tiles,
               kv_pages, kv_pages]
   in_specs = [
-      pl.BlockSpec((batch,), lambda b, k: (0,)),
-      pl.BlockSpec((batch,), lambda b, k: (0,)),
-      pl.BlockSpec((None, padded_pages), lambda b, k: (b, 0)),
-      pl.BlockSpec((None, None, rows, head_dim), lambda b, k: (b, k, 0, 0)),
+      pl.BlockSpec((batch,), lambda b, k, *_: (0,)),
+      pl.BlockSpec((batch,), lambda b, k, *_: (0,)),
+      pl.BlockSpec((None, padded_pages), lambda b, k, *_: (b, 0)),
+      pl.BlockSpec((None, None, rows, head_dim), lambda b, k, *_: (b, k, 0, 0)),
       # Squeezed head axis: block index == element index, K at 2k and V at 2k + 1.
-      pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, k: (0, 0, 2 * k, 0)),
-      pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, k: (0, 0, 2 * k + 1, 0)),
+      pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, k, *_: (0, 0, 2 * k, 0)),
+      pl.BlockSpec((num_pages, page_size, None, head_dim), lambda b, k, *_: (0, 0, 2 * k + 1, 0)),
   ]
   if has_tree:
     operands.append(common.row_tree_bits(tree_mask, group, rows))
-    in_specs.append(pl.BlockSpec((None, rows), lambda b, k: (b, 0)))
+    in_specs.append(pl.BlockSpec((None, rows), lambda b, k, *_: (b, 0)))
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
   kernel = functools.partial(
       _kernel, group=group, page_size=page_size, pages_per_block=ppb, sm_scale=sm_scale,
       sliding_window=sliding_window, has_tree=has_tree, precision=precision,
+      num_splits=num_splits,
   )
   compiler_params = None
   if pltriton is not None:
     compiler_params = pltriton.CompilerParams(
         num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
     )
+  if num_splits > 1:
+    grid = (batch, num_kv_heads, num_splits)
+    out_specs = [
+        pl.BlockSpec((None, None, None, rows, head_dim), lambda b, k, s: (b, k, s, 0, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda b, k, s: (b, k, s, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32),
+    ]
+  else:
+    grid = (batch, num_kv_heads)
+    out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda b, k: (b, k, 0, 0))
+    out_shape = jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), q.dtype)
   out = pl.pallas_call(
       kernel,
-      grid=(batch, num_kv_heads),
+      grid=grid,
       in_specs=in_specs,
-      out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda b, k: (b, k, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), q.dtype),
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=compiler_params,
       interpret=interpret,
-      name=f"paged_attention_triton_r{rows}_bkv{ppb * page_size}",
+      name=f"paged_attention_triton_r{rows}_bkv{ppb * page_size}_k{num_splits}",
   )(*operands)
+  if num_splits > 1:
+    out = split.combine(*out).astype(q.dtype)
   return common.from_row_tiles(out, num_tokens, num_heads)
 
 
@@ -211,9 +242,12 @@ def paged_attention_triton(
     block_sizes = default_block_sizes("pallas_triton", page_size)
   if block_sizes.block_kv(page_size) < 16:
     raise NotImplementedError(f"pallas_triton needs >= 16 keys per block; {block_sizes=}")
+  max_blocks = -(-page_indices.shape[1] // block_sizes.pages_per_block)
+  num_splits = block_sizes.splits(batch=batch, num_kv_heads=kv_pages.shape[2] // 2,
+                                  max_blocks=max_blocks)
   return _call(
       q, kv_pages, page_indices, kv_lens, q_lens, tree_mask,
       sm_scale=float(sm_scale),
       sliding_window=None if sliding_window is None else int(sliding_window),
-      block_sizes=block_sizes, interpret=bool(interpret),
+      block_sizes=block_sizes, interpret=bool(interpret), num_splits=num_splits,
   )

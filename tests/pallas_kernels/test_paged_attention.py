@@ -8,10 +8,15 @@ machine: ``python3 -m pytest -m gpu tests/pallas_kernels``).
 Inputs: permuted page tables, unused pages and stale slots past ``kv_lens`` filled with
 NaN, padding query tokens NaN, kv lengths around page boundaries. Comparisons are on
 real query rows (``t < q_lens``); kernels must write zeros on padding rows.
+
+Split-KV (flash-decoding) cases force ``BlockSizes.num_splits > 1`` on the GPU kernels,
+with sequences short enough that some splits get no block; the ``Test*`` classes that
+pin ``num_splits=1`` keep the unsplit kernel covered.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -25,6 +30,7 @@ from pallas_kernels.paged_attention import (
     _backend,
     paged_attention,
     paged_attention_reference,
+    split,
 )
 from pallas_kernels.paged_attention.tuning import BlockSizes, default_block_sizes
 
@@ -83,6 +89,13 @@ class PagedAttentionSuite:
   atol = 1e-4
   block_sizes: BlockSizes | None = None
   zero_padding_rows = True
+  splits_kv = True  # the backend implements BlockSizes.num_splits > 1
+
+  def force_splits(self, num_splits):
+    if not self.splits_kv:
+      pytest.skip(f"{self.implementation} does not split KV")
+    base = self.block_sizes or default_block_sizes(self.implementation, PAGE)
+    self.block_sizes = dataclasses.replace(base, num_splits=num_splits)
 
   def attention(self, inputs, *, sliding_window=None, sm_scale=0.125):
     kwargs = dict(inputs)
@@ -145,18 +158,58 @@ class PagedAttentionSuite:
     second = np.asarray(self.attention(inputs))
     np.testing.assert_array_equal(first, second)
 
+  # ------------------------------------------------------------ split-KV (flash-decoding)
+  # 16-page tables: 4 blocks of 64 keys (Mosaic GPU) or 8 of 32 (Triton, 2 pages/block),
+  # so with 3-4 splits the short rows (1 block) leave splits empty and 13P+7 leaves the
+  # last split empty (Mosaic GPU: 2 + 2 + 0 blocks) or short.
+  @pytest.mark.parametrize("group,num_splits", [(1, 3), (2, 4), (8, 3)])
+  def test_split_decode_page_boundaries(self, group, num_splits):
+    self.force_splits(num_splits)
+    num_kv_heads = 2 if group == 1 else 1
+    inputs = make_inputs(
+        10, kv_lens=[1, PAGE - 1, PAGE, PAGE + 1, 5 * PAGE + 3, 13 * PAGE + 7],
+        q_lens=[1] * 6, num_tokens=1, num_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads, pages_per_seq=16, dtype=self.dtype,
+    )
+    self.check(inputs)
+
+  def test_split_verify_mixed_batch(self):
+    self.force_splits(3)
+    inputs = make_inputs(
+        11, kv_lens=[20, 33, 7, 4, PAGE + 2, 9 * PAGE + 5], q_lens=[4, 1, 0, 3, 4, 4],
+        num_tokens=4, num_heads=4, num_kv_heads=2, pages_per_seq=16, dtype=self.dtype,
+    )
+    self.check(inputs)
+
+  def test_split_tree_mask(self):
+    self.force_splits(2)
+    inputs = make_inputs(
+        12, kv_lens=[20, 11 * PAGE + 1, 4], q_lens=[4, 4, 3], num_tokens=4, num_heads=4,
+        num_kv_heads=2, pages_per_seq=16, dtype=self.dtype, tree=True,
+    )
+    self.check(inputs)
+
+  def test_split_sliding_window(self):
+    self.force_splits(3)
+    inputs = make_inputs(
+        13, kv_lens=[12 * PAGE + 3, 40], q_lens=[2, 1], num_tokens=2, num_heads=4,
+        num_kv_heads=2, pages_per_seq=16, dtype=self.dtype,
+    )
+    self.check(inputs, sliding_window=5 * PAGE + 5)
+
 
 # ---------------------------------------------------------------- CPU (CI) backends
 class TestReference(PagedAttentionSuite):
   # reference.py's docstring promises zero padding rows, but its mask has no
   # ``t < q_lens`` term: padding tokens attend like real ones (NaN here, as their q is).
   zero_padding_rows = False
+  splits_kv = False
 
 
 class TestTritonInterpret(PagedAttentionSuite):
   implementation = "pallas_triton"
   interpret = True
-  block_sizes = BlockSizes(pages_per_block=2)
+  block_sizes = BlockSizes(pages_per_block=2, num_splits=1)
 
 
 class TestMosaicGpuInterpret(PagedAttentionSuite):
@@ -172,13 +225,21 @@ class TestMosaicGpuInterpret(PagedAttentionSuite):
   interpret = True
   dtype = jnp.bfloat16
   atol = 2e-2
-  block_sizes = BlockSizes(pages_per_block=4, num_stages=2)
+  block_sizes = BlockSizes(pages_per_block=4, num_stages=2, num_splits=1)
 
 
 class TestTpuInterpret(PagedAttentionSuite):
   implementation = "pallas_tpu"
   interpret = True
   block_sizes = BlockSizes(pages_per_block=2)
+  splits_kv = False
+
+  def test_forced_splits_raise_not_implemented(self):
+    inputs = make_inputs(4, kv_lens=[PAGE + 1], q_lens=[1], num_tokens=1, num_heads=2,
+                         num_kv_heads=1)
+    with pytest.raises(NotImplementedError):
+      self.block_sizes = BlockSizes(pages_per_block=2, num_splits=2)
+      self.attention(inputs)
 
   def test_bf16_packed_kv_split(self):
     self.dtype, self.atol = jnp.bfloat16, 2e-2
@@ -193,6 +254,7 @@ class TestTpuInterpret(PagedAttentionSuite):
 @pytest.mark.gpu
 class TestTritonGpu(PagedAttentionSuite):
   implementation = "pallas_triton"  # f32 dots run IEEE (Precision.HIGHEST), not tf32
+  block_sizes = BlockSizes(pages_per_block=8, num_warps=4, num_stages=4, num_splits=1)
 
 
 @pytest.mark.gpu
@@ -207,12 +269,12 @@ class TestMosaicGpu(PagedAttentionSuite):
   implementation = "pallas_gpu"
   dtype = jnp.bfloat16
   atol = 2e-2
-  block_sizes = BlockSizes(pages_per_block=4, num_stages=2)
+  block_sizes = BlockSizes(pages_per_block=4, num_stages=2, num_splits=1)
 
 
 @pytest.mark.gpu
 class TestMosaicGpuDefaultBlocks(PagedAttentionSuite):
-  implementation = "pallas_gpu"
+  implementation = "pallas_gpu"  # default blocks and the default split rule
   dtype = jnp.float16
   atol = 5e-3
 
@@ -319,3 +381,46 @@ def test_block_sizes_validate_themselves():
     default_block_sizes("pallas_cuda", 16)
   assert default_block_sizes("pallas_gpu", 16).block_kv(16) % 64 == 0
   assert hash(BlockSizes()) == hash(BlockSizes())
+
+
+def test_split_rule():
+  rule = BlockSizes()  # target_ctas 132 (H200 SMs)
+  assert rule.splits(batch=32, num_kv_heads=8, max_blocks=32) == 1  # 256 CTAs already
+  assert rule.splits(batch=1, num_kv_heads=8, max_blocks=32) == 16  # 17 wanted, 2 blocks each
+  assert rule.splits(batch=1, num_kv_heads=8, max_blocks=1) == 1
+  assert rule.splits(batch=2, num_kv_heads=1, max_blocks=5) == 5
+  assert BlockSizes(num_splits=7).splits(batch=32, num_kv_heads=8, max_blocks=2) == 7
+  assert BlockSizes(target_ctas=264).splits(batch=1, num_kv_heads=8, max_blocks=32) == 32
+  with pytest.raises(ValueError):
+    BlockSizes(num_splits=0)
+  with pytest.raises(ValueError):
+    BlockSizes(target_ctas=0)
+
+
+def test_split_range_and_combine_are_exact():
+  # 5 blocks from block 2 over 3 splits: 2, 2, 1 blocks; 4 splits of 1 block: one empty.
+  ranges = [tuple(int(x) for x in split.split_range(jnp.int32(s), 3, jnp.int32(2),
+                                                    jnp.int32(5))) for s in range(3)]
+  assert ranges == [(2, 2), (4, 2), (6, 1)]
+  assert int(split.split_range(jnp.int32(3), 4, jnp.int32(0), jnp.int32(3))[1]) == 0
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((2, 3, 10)) * 4  # [B, R, keys]
+  values = rng.standard_normal((2, 10, 8))
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  want = np.einsum("brj,bjh->brh", p / p.sum(-1, keepdims=True), values)
+  o_parts, lse_parts = [], []
+  for lo, hi in ((0, 4), (4, 4), (4, 10)):  # the middle split is empty
+    if lo == hi:
+      o_parts.append(np.zeros((2, 3, 8)))
+      lse_parts.append(np.full((2, 3), -np.inf))
+      continue
+    x = logits[..., lo:hi]
+    m = x.max(-1, keepdims=True)
+    e = np.exp(x - m)
+    o_parts.append(np.einsum("brj,bjh->brh", e / e.sum(-1, keepdims=True), values[:, lo:hi]))
+    lse_parts.append(m[..., 0] + np.log(e.sum(-1)))
+  o = split.combine(jnp.asarray(np.stack(o_parts, 1)[:, None], jnp.float32),
+                    jnp.asarray(np.stack(lse_parts, 1)[:, None], jnp.float32))
+  np.testing.assert_allclose(np.asarray(o)[:, 0], want, atol=1e-5, rtol=0)
+  empty = split.combine(jnp.zeros((1, 1, 2, 8, 4)), jnp.full((1, 1, 2, 8), -jnp.inf))
+  np.testing.assert_array_equal(np.asarray(empty), 0.0)
