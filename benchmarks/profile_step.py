@@ -23,18 +23,13 @@ import time
 import jax
 from absl import app, flags
 
-from benchmarks.step_cost import LLAMA_8B, StepBenchConfig, _Runner
-from models.config import ModelConfig
+from benchmarks.step_cost import StepBenchConfig, _Runner
+from models.shapes import SHAPES
 
-SHAPES = {
-    "llama3-8b": LLAMA_8B,
-    "smollm2-135m": ModelConfig(family="llama", vocab_size=49152, hidden_size=576,
-                                intermediate_size=1536, num_layers=30, num_heads=9,
-                                num_kv_heads=3, head_dim=64),
-    "tiny": ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
-}
-_SHAPE = flags.DEFINE_enum("shape", "llama3-8b", list(SHAPES), "Model shape (random weights).")
+_SHAPE = flags.DEFINE_enum("shape", "llama3-8b", list(SHAPES),
+                           "Model shape (models.shapes; random weights).")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
+                           "Parameter dtype; default the shape's (bf16; tiny f32).")
 _BATCH = flags.DEFINE_integer("batch", 1, "Batch size B.")
 _CONTEXT = flags.DEFINE_integer("context", 512, "KV context (tokens).")
 _QUERY = flags.DEFINE_integer("num_query", 1, "Query tokens per row (1 = AR, L+1 = verify).")
@@ -66,8 +61,9 @@ def top_ops(trace_dir: str, reps: int) -> list[tuple[str, float, int]]:
 
 def main(argv):
   del argv
-  cfg = StepBenchConfig(model=SHAPES[_SHAPE.value], batch_sizes=(_BATCH.value,),
-                        contexts=(_CONTEXT.value,), verify_lengths=(_QUERY.value,),
+  model = SHAPES[_SHAPE.value]
+  cfg = StepBenchConfig(model=model.replace(dtype=_DTYPE.value or model.dtype),
+                        batch_sizes=(_BATCH.value,), contexts=(_CONTEXT.value,), verify_lengths=(_QUERY.value,),
                         verify_context=_CONTEXT.value, attention_implementation=_IMPL.value,
                         reps=3, hf_peer=False)
   runner = _Runner(cfg, unroll_layers=_UNROLL.value)

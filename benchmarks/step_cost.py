@@ -28,22 +28,18 @@ import numpy as np
 import pandas as pd
 
 from models.config import ModelConfig
+from models.shapes import SHAPES
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
 
-__all__ = ["StepBenchConfig", "LLAMA_8B", "run_step_benchmark", "copy_bandwidth"]
-
-LLAMA_8B = ModelConfig(
-    family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-    num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, tie_word_embeddings=False,
-    dtype="bfloat16", rms_norm_eps=1e-5,
-)
+__all__ = ["StepBenchConfig", "run_step_benchmark", "copy_bandwidth"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepBenchConfig:
-  """What to time. ``contexts`` in tokens; ``verify_lengths`` are draft lengths L."""
+  """What to time. ``contexts`` in tokens; ``verify_lengths`` are draft lengths L;
+  ``model`` a shape (default ``models.shapes.SHAPES["llama3-8b"]``, bf16)."""
 
-  model: ModelConfig = LLAMA_8B
+  model: ModelConfig = SHAPES["llama3-8b"]
   batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
   contexts: tuple[int, ...] = (512, 2048, 8192)
   verify_lengths: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -87,14 +83,13 @@ class _Runner:
   """Holds the random model and a paged cache large enough for the biggest case."""
 
   def __init__(self, cfg: StepBenchConfig, unroll_layers: bool = True):
-    from flax import nnx
-
-    from models.llama import Transformer, init_kv_caches
+    from models.llama import init_kv_caches
+    from models.random_weights import random_transformer
     from specjax.steps import split_model
 
     self.cfg = cfg
     m = cfg.model
-    self.model = split_model(Transformer(m, nnx.Rngs(cfg.seed)), unroll_layers=unroll_layers)
+    self.model = split_model(random_transformer(m, cfg.seed), unroll_layers=unroll_layers)
     max_tokens = max(max(cfg.contexts), cfg.verify_context) + max(cfg.verify_lengths, default=0) + 1
     self.pages_per_seq = -(-max_tokens // cfg.page_size)
     self.num_pages = max(cfg.batch_sizes) * self.pages_per_seq

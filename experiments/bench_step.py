@@ -10,15 +10,13 @@ import os
 
 from absl import app, flags
 
-from benchmarks.step_cost import LLAMA_8B, StepBenchConfig, run_step_benchmark
-from models.config import ModelConfig
+from benchmarks.step_cost import StepBenchConfig, run_step_benchmark
+from models.shapes import SHAPES
 
-SHAPES = {
-    "llama3-8b": LLAMA_8B,
-    "tiny": ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
-}
-_SHAPE = flags.DEFINE_enum("shape", "llama3-8b", list(SHAPES), "Model shape (random weights).")
+_SHAPE = flags.DEFINE_enum("shape", "llama3-8b", list(SHAPES),
+                           "Model shape (models.shapes; random weights).")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
+                           "Parameter dtype; default the shape's (bf16; tiny f32).")
 
 FLAGS = flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64"], "Batch sizes.")
 _CTX = flags.DEFINE_list("contexts", ["512", "2048", "8192"], "AR contexts (tokens).")
@@ -33,8 +31,9 @@ _OUT = flags.DEFINE_string("output_dir", "results/bench_step", "Where to write C
 
 def main(argv):
   del argv
+  shape = SHAPES[_SHAPE.value]
   cfg = StepBenchConfig(
-      model=SHAPES[_SHAPE.value],
+      model=shape.replace(dtype=_DTYPE.value or shape.dtype),
       batch_sizes=tuple(int(b) for b in FLAGS.value), contexts=tuple(int(c) for c in _CTX.value),
       verify_lengths=tuple(int(v) for v in _L.value), verify_context=_VCTX.value,
       attention_implementation=_IMPL.value, reps=_REPS.value, hf_peer=_HF.value,

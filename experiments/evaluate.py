@@ -6,6 +6,9 @@ always runs. Examples:
   python -m experiments.evaluate   # smollm2-135m, 24 Spec-Bench prompts, ar,ngram, b=1,4
   python -m experiments.evaluate --target=qwen2.5-coder-1.5b --draft=qwen2.5-coder-0.5b \
       --methods=ar,draft_model,ngram --dataset=humaneval --num_prompts=8 --batch_sizes=1
+  # random weights of a real shape (no download, no tokenizer): random token-id prompts
+  python -m experiments.evaluate --target=random:llama3-8b --dtype=bfloat16 \
+      --dataset=random --input_len=512 --num_prompts=16 --batch_sizes=1,16
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ from harness.evaluation import (
     default_output_dir,
     run_evaluation,
 )
-from specjax.workloads import DATASETS
+from specjax.workloads import DATASETS, RANDOM_DATASET
 
 _TARGET = flags.DEFINE_string(
-    "target", "smollm2-135m", "Target model: a models.zoo name, a .gguf file or an HF directory.")
+    "target", "smollm2-135m",
+    "Target model: a models.zoo name, random:<shape> (random weights of a models.shapes.SHAPES "
+    "architecture, e.g. random:llama3-8b; needs --dataset=random), a .gguf file or an HF "
+    "directory.")
 _DRAFT = flags.DEFINE_string(
     "draft", None, "Draft model for draft_model (same tokenizer as the target); none = no draft.")
 _METHODS = flags.DEFINE_list("methods", ["ar", "ngram"], "SD methods; 'ar' always runs.")
@@ -32,7 +38,11 @@ _METHOD_OPTION = flags.DEFINE_multi_string(
     "method_option", [],
     "METHOD.OPTION=VALUE for a method's config (repeatable), e.g. eagle.head_path=heads/e1 or "
     "ngram.n_max=3; VALUE is read as JSON when it parses (3, [30] as a tuple, true), else as a string.")
-_DATASET = flags.DEFINE_enum("dataset", "spec_bench", list(DATASETS), "Prompt set.")
+_DATASET = flags.DEFINE_enum(
+    "dataset", "spec_bench", [*DATASETS, RANDOM_DATASET],
+    "Prompt set; 'random': --input_len random token ids per prompt (seeded by --seed).")
+_INPUT_LEN = flags.DEFINE_integer(
+    "input_len", None, "Prompt length in tokens of --dataset=random (only there).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 24, "Prompts, balanced over categories.")
 _CATEGORIES = flags.DEFINE_list("categories", None, "Subset of the dataset's categories.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4"], "Batch sizes (max_num_seqs).")
@@ -64,6 +74,10 @@ _WARMUP = flags.DEFINE_boolean(
 _WARMUP_TOKENS = flags.DEFINE_integer(
     "warmup_tokens", 16,
     "New tokens per request in the warm-up pass (0 = the full max_new_tokens).")
+_IGNORE_EOS = flags.DEFINE_boolean(
+    "ignore_eos", None,
+    "EOS does not end requests (each makes --max_new_tokens); unset: on iff the target has "
+    "no tokenizer (random: targets).")
 _CHAT = flags.DEFINE_boolean(
     "chat_template", True, "Apply the tokenizer's chat template when it has one.")
 _LAYERS = flags.DEFINE_enum(
@@ -118,6 +132,7 @@ def config_from_flags() -> EvalConfig:
       methods=tuple(_METHODS.value),
       method_options=parse_method_options(_METHOD_OPTION.value),
       dataset=_DATASET.value,
+      input_len=_INPUT_LEN.value,
       num_prompts=_NUM_PROMPTS.value,
       categories=tuple(_CATEGORIES.value) if _CATEGORIES.value else None,
       batch_sizes=batch_sizes,
@@ -136,6 +151,7 @@ def config_from_flags() -> EvalConfig:
       warmup_tokens=_WARMUP_TOKENS.value or None,
       chat_template=_CHAT.value,
       layer_execution=_LAYERS.value,
+      ignore_eos=_IGNORE_EOS.value,
       verify_implementation=_verify_implementation(_VERIFY.value),
       matmul_precision=_PRECISION.value,
       max_num_batched_tokens=_BATCHED.value,

@@ -49,6 +49,7 @@ import pandas as pd
 
 from harness.divergence import divergence, first_divergence
 from methods.registry import METHODS, make_method
+from models.zoo import is_random_name
 from pallas_kernels.paged_attention import implementations_used, resolve_implementation
 from pallas_kernels.verify import implementations_used as verify_implementations_used
 from specjax.compile_cache import enable_compilation_cache
@@ -57,7 +58,13 @@ from specjax.engine import Engine, bucket
 from specjax.metrics import RunMetrics, matched_c, summarize
 from specjax.request import Request
 from specjax.steps import split_model
-from specjax.workloads import load_prompts, poisson_arrivals, tokenize_prompts
+from specjax.workloads import (
+    RANDOM_DATASET,
+    load_prompts,
+    poisson_arrivals,
+    random_prompts,
+    tokenize_prompts,
+)
 
 __all__ = [
     "MATMUL_PRECISIONS",
@@ -95,11 +102,17 @@ class EvalConfig:
 
   Attributes:
     target: target model: a ``models.zoo`` name, a ``.gguf`` file or an HF directory.
+      A ``random:<shape>`` target (random weights, no tokenizer) needs
+      ``dataset="random"``.
     draft: draft model for methods that need one (same tokenizer), or None.
     methods: method names (``methods.registry``); ``"ar"`` is added first if absent.
     method_options: per method name, keyword options for its config, e.g.
       ``{"eagle": {"head_path": "heads/eagle"}}`` (passed to ``make_method``).
-    dataset: a ``specjax.workloads.DATASETS`` name.
+    dataset: a ``specjax.workloads.DATASETS`` name, or ``"random"``
+      (``RANDOM_DATASET``): ``num_prompts`` prompts of ``input_len`` random token ids
+      in ``[0, V)`` of the target's vocabulary (``random_prompts``, seeded by ``seed``).
+    input_len: prompt length in tokens of ``dataset="random"`` (required there, and
+      only there).
     num_prompts: prompts, balanced over the categories.
     categories: subset of the dataset's categories; None = all.
     batch_sizes: each is one engine ``max_num_seqs``.
@@ -130,6 +143,9 @@ class EvalConfig:
     layer_execution: "unrolled" (each layer its own weights; fastest steps, ~11 s XLA
       compile per step shape for SmolLM2 on a 2-core CPU) or "scan" (one ``lax.scan``
       over stacked layers; compiles several times faster, slower steps on CPU).
+    ignore_eos: ``SamplingParams.ignore_eos`` of every request (EOS ids do not end
+      generation: each request makes ``max_new_tokens``). None (default): True iff the
+      target has no tokenizer (``random:`` models, which have no EOS), else False.
     matmul_precision: None keeps JAX's default; else one of ``MATMUL_PRECISIONS``,
       applied with ``jax.default_matmul_precision`` around every pass. "highest" makes
       f32 matmuls full f32 on GPUs (whose f32 default may round inputs, so verify steps
@@ -145,6 +161,7 @@ class EvalConfig:
   methods: tuple[str, ...] = ("ar", "ngram")
   method_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   dataset: str = "spec_bench"
+  input_len: int | None = None
   num_prompts: int = 24
   categories: tuple[str, ...] | None = None
   batch_sizes: tuple[int, ...] = (1, 4)
@@ -164,6 +181,7 @@ class EvalConfig:
   warmup_tokens: int | None = 16
   chat_template: bool = True
   layer_execution: str = "unrolled"
+  ignore_eos: bool | None = None
   matmul_precision: str | None = "highest"
   max_num_batched_tokens: int = 512
   compilation_cache: bool = True
@@ -205,6 +223,20 @@ class EvalConfig:
       raise ValueError(f"methods {unknown} are unknown; known methods: {sorted(METHODS)}")
     if self.verify_implementation not in (None, "auto"):
       _check_verify_implementation(self.verify_implementation)
+    if self.dataset == RANDOM_DATASET:
+      if self.input_len is None or self.input_len < 1:
+        raise ValueError(f"input_len={self.input_len} must be >= 1 with "
+                         f"dataset={RANDOM_DATASET!r} (prompt length in tokens)")
+      if self.categories is not None:
+        raise ValueError(f"categories={self.categories} must be None with "
+                         f"dataset={RANDOM_DATASET!r} (it has no categories)")
+    elif self.input_len is not None:
+      raise ValueError(f"input_len={self.input_len} is only for dataset={RANDOM_DATASET!r}; "
+                       f"dataset={self.dataset!r} has its own prompts (leave it None)")
+    if is_random_name(self.target) and self.dataset != RANDOM_DATASET:
+      raise ValueError(f"target={self.target!r} has random weights and no tokenizer: "
+                       f"dataset={self.dataset!r} must be {RANDOM_DATASET!r} (token-id "
+                       "prompts, with input_len)")
     if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
       raise ValueError(f"matmul_precision={self.matmul_precision!r} must be None or one of "
                        f"{MATMUL_PRECISIONS}")
@@ -281,8 +313,10 @@ class _Progress:
     self.bar.close()
 
 
-def _make_requests(cfg: EvalConfig, prompt_ids: list[tuple[int, ...]], prompts) -> list[Request]:
-  sampling = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens)
+def _make_requests(cfg: EvalConfig, prompt_ids: list[tuple[int, ...]], prompts,
+                   ignore_eos: bool) -> list[Request]:
+  sampling = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                            ignore_eos=ignore_eos)
   arrivals = (poisson_arrivals(len(prompts), cfg.request_rate, cfg.seed)
               if cfg.request_rate is not None else np.zeros(len(prompts)))
   return [Request(p.id, ids, sampling, float(t))
@@ -354,7 +388,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   Raises:
     ValueError: unknown method, dataset, category or attention implementation; a
       method that needs ``draft`` without one; draft/target vocabulary mismatch; a
-      prompt that does not fit ``max_model_len`` or the target's context.
+      prompt that does not fit ``max_model_len`` or the target's context; a target
+      without a tokenizer and a text dataset.
   """
   t_start = time.perf_counter()
   if cfg.compilation_cache:
@@ -366,20 +401,34 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   if needs_draft and cfg.draft is None:
     raise ValueError(f"methods {needs_draft} need a draft model, but draft=None")
   resolve_implementation(cfg.attention_implementation)
-  prompts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.categories, cfg.seed)
+  synthetic = cfg.dataset == RANDOM_DATASET
+  # Random prompts need the target's vocabulary size; text prompts are read (and checked)
+  # before the model loads.
+  prompts = None if synthetic else load_prompts(cfg.dataset, cfg.num_prompts, cfg.categories,
+                                                cfg.seed)
 
   if cfg.draft is not None and not needs_draft:
     print(f"note: draft={cfg.draft!r} is not loaded: none of {list(methods)} uses a draft model")
   target = load_model(cfg.target, cfg.dtype)
   draft = load_model(cfg.draft, cfg.dtype) if needs_draft else None
+  # A target without a tokenizer (random weights) has no text, no chat template and no
+  # EOS: prompts are token ids, outputs are compared as ids and run to max_new_tokens.
   tokenizer = target.tokenizer
+  if tokenizer is None and not synthetic:
+    raise ValueError(f"target={cfg.target!r} has no tokenizer: dataset={cfg.dataset!r} must "
+                     f"be {RANDOM_DATASET!r} (token-id prompts)")
   if draft is not None and draft.config.vocab_size != target.config.vocab_size:
     raise ValueError(f"draft={cfg.draft!r} vocab_size={draft.config.vocab_size} must equal "
                      f"target={cfg.target!r} vocab_size={target.config.vocab_size}")
+  if synthetic:
+    prompts = random_prompts(cfg.num_prompts, cfg.input_len, target.config.vocab_size, cfg.seed)
   prompt_ids = tokenize_prompts(prompts, tokenizer, chat_template=cfg.chat_template)
   max_model_len = _resolve_max_model_len(cfg, prompts, prompt_ids,
                                          target.config.max_position_embeddings)
-  requests = _make_requests(cfg, prompt_ids, prompts)
+  ignore_eos = tokenizer is None if cfg.ignore_eos is None else cfg.ignore_eos
+  eos_token_ids = () if tokenizer is None else tokenizer.eos_token_ids
+  decode = None if tokenizer is None else tokenizer.decode
+  requests = _make_requests(cfg, prompt_ids, prompts, ignore_eos)
   unroll = cfg.layer_execution == "unrolled"
   target_split = split_model(target.model, unroll_layers=unroll)
   draft_split = split_model(draft.model, unroll_layers=unroll) if draft is not None else None
@@ -405,6 +454,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
       "jax_version": jax.__version__,
       "layer_execution": cfg.layer_execution,
       "matmul_precision": cfg.matmul_precision or "default",
+      "input_len": cfg.input_len,
+      "ignore_eos": ignore_eos,
   }
   greedy = cfg.temperature == 0
   budget = len(requests) * cfg.max_new_tokens
@@ -433,7 +484,7 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
       engines = {
           name: Engine(target_split, method, engine_cfg,
                        draft=draft_split if name in needs_draft else None,
-                       eos_token_ids=tokenizer.eos_token_ids, decode=tokenizer.decode)
+                       eos_token_ids=eos_token_ids, decode=decode)
           for name, method in methods.items()
       }
       if cfg.warmup:

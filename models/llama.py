@@ -2,7 +2,9 @@
 
 One ragged call serves prefill, decode and verify:
 ``model(kv_caches, tokens, metadata) -> (kv_caches, ModelOutput)``. The model never
-knows which speculative method runs; callers ask for hidden states by layer index.
+knows which speculative method runs; callers ask for hidden states by layer index, and
+may run a contiguous ``layer_range`` (LayerSkip's early exit and its continuation; see
+``Transformer.__call__``).
 Architectures follow the HF ``transformers`` implementations (LlamaForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM), which the loader tests compare
 against logit for logit.
@@ -60,7 +62,9 @@ class ModelOutput(NamedTuple):
 
   ``hidden[i]`` is HF's ``hidden_states[hidden_layers[i]]``: index 0 is the embedding
   output, index ``j`` the output of layer ``j - 1``, index ``num_layers`` the final
-  normalized state fed to the LM head.
+  normalized state fed to the LM head. With ``layer_range=(start, stop)`` the logits
+  are the LM head of the final norm of layer ``stop - 1``'s output, and index ``stop <
+  num_layers`` is that output before the norm (what a continuation call takes).
   """
 
   logits: jax.Array
@@ -274,47 +278,105 @@ class Transformer(nnx.Module):
   def __call__(
       self,
       kv_caches: jax.Array,
-      tokens: jax.Array,
+      tokens: jax.Array | None,
       meta: AttentionMetadata,
       *,
       hidden_layers: tuple[int, ...] = (),
       logits_indices: jax.Array | None = None,
       implementation: str | tuple[str, ...] = "reference",
+      layer_range: tuple[int, int] | None = None,
+      hidden_states: jax.Array | None = None,
   ) -> tuple[jax.Array, ModelOutput]:
-    """Runs the step.
+    """Runs the step, through all layers or a contiguous range of them.
+
+    Early exit (LayerSkip): ``layer_range=(start, stop)`` (static) runs layers
+    ``start, ..., stop - 1`` only and applies the shared final norm and LM head to the
+    output of layer ``stop - 1``. The contract, for ``E`` in ``[1, num_layers)``:
+
+    * Draft (exit at ``E``): ``layer_range=(0, E)``, ``hidden_layers=(E,)``. The logits
+      ``f32[B, R, V]`` are the LM head of ``final_norm(h)`` where ``h [B, T, D]`` (model
+      dtype) is the raw residual stream after layer ``E - 1``, returned as
+      ``ModelOutput.hidden[0]`` (HF ``hidden_states[E]``). KV is written for layers
+      ``[0, E)`` only.
+    * Continue (verify the rest): ``layer_range=(E, num_layers)``,
+      ``hidden_states=h [B, T, D]``: the residual stream of the same ``T`` query tokens
+      after layer ``E - 1`` (the draft calls' ``hidden[0]`` rows, concatenated per row by
+      the caller), with ``meta`` describing those tokens exactly as for a full call
+      (their ``kv_lens``, ``q_lens``, positions). ``tokens`` is then ignored (may be
+      None). Layers ``[E, num_layers)`` attend to and write only their own pages;
+      layers ``[0, E)`` of these positions must already hold their KV (written by the
+      draft calls). The result equals one full call on the same tokens: same logits,
+      same KV in every layer.
 
     Args:
       kv_caches: ``[num_layers * num_pages, page_size, 2K, H]`` from ``init_kv_caches``
-        (layer ``l``'s pages are rows ``l * num_pages`` to ``(l + 1) * num_pages - 1``).
-      tokens: ``i32[B, T]`` (padding anything; masked by ``meta.q_lens``).
+        (layer ``l``'s pages are rows ``l * num_pages`` to ``(l + 1) * num_pages - 1``);
+        always all layers' caches, whatever ``layer_range``.
+      tokens: ``i32[B, T]`` (padding anything; masked by ``meta.q_lens``); unused (may be
+        None) when ``hidden_states`` is given.
       meta: page table and lengths (see ``specjax.batch.AttentionMetadata``).
-      hidden_layers: static HF ``hidden_states`` indices to return.
+      hidden_layers: static HF ``hidden_states`` indices to return, each in
+        ``[start, stop]``: index ``j`` is the raw output of layer ``j - 1`` (``start``:
+        the input of the range, 0: the embedding output), except ``j == num_layers``,
+        the final-normed state.
       logits_indices: ``i32[B, R]`` token indices whose logits to compute; all T if None.
       implementation: paged-attention implementation(s).
+      layer_range: static ``(start, stop)`` with ``0 <= start < stop <= num_layers``;
+        None (the default) is ``(0, num_layers)`` and runs the same code.
+      hidden_states: ``[B, T, D]`` in the model dtype, HF ``hidden_states[start]`` of the
+        ``T`` query tokens, used instead of embedding ``tokens``; required when
+        ``start > 0``.
 
     Returns:
-      Updated caches (same shape) and ``ModelOutput``.
+      Updated caches (same shape; pages of layers outside ``layer_range`` unchanged) and
+      ``ModelOutput``.
 
     Raises:
-      ValueError: a hidden layer index is out of range, or ``kv_caches`` is not one
-        array of this model's layers, KV heads and head dim.
+      ValueError: a bad ``layer_range``; a hidden layer index outside it; missing,
+        misshapen or wrongly typed ``hidden_states``; ``kv_caches`` is not one array of
+        this model's layers, KV heads and head dim.
     """
     cfg = self.cfg
     num_layers = cfg.num_layers
+    full = (0, num_layers)
+    if layer_range is None:
+      layer_range = full
+    if (not isinstance(layer_range, tuple) or len(layer_range) != 2
+        or not all(isinstance(i, (int, np.integer)) for i in layer_range)
+        or not 0 <= layer_range[0] < layer_range[1] <= num_layers):
+      raise ValueError(f"{layer_range=} must be a tuple (start, stop) of ints with "
+                       f"0 <= start < stop <= {num_layers=}")
+    start, stop = int(layer_range[0]), int(layer_range[1])
     for i in hidden_layers:
-      if not 0 <= i <= num_layers:
-        raise ValueError(f"hidden layer {i=} must be in [0, {num_layers}]")
+      if not start <= i <= stop:
+        raise ValueError(f"hidden layer {i=} must be in [{start}, {stop}] "
+                         f"({layer_range=}, {num_layers=})")
     shape = getattr(kv_caches, "shape", None)
     if (shape is None or len(shape) != 4 or shape[0] % num_layers
         or shape[2:] != (2 * cfg.num_kv_heads, cfg.head_dim)):
       raise ValueError(f"kv_caches must be one [num_layers * num_pages, page_size, "
                        f"{2 * cfg.num_kv_heads}, {cfg.head_dim}] array from init_kv_caches "
                        f"({num_layers=}); got {shape or type(kv_caches).__name__}")
+    if hidden_states is None:
+      if start > 0:
+        raise ValueError(f"{layer_range=} starts after layer 0: pass hidden_states "
+                         f"[B, T, {cfg.hidden_size}], the output of layer {start - 1}")
+      x = self.embed_tokens(tokens)
+    else:
+      hs = getattr(hidden_states, "shape", None)
+      want_t = () if tokens is None else tuple(tokens.shape)
+      if (hs is None or len(hs) != 3 or hs[2] != cfg.hidden_size
+          or (want_t and tuple(hs[:2]) != want_t)):
+        raise ValueError(f"hidden_states must be [B, T, {cfg.hidden_size}]"
+                         f"{f' with B, T = {want_t}' if want_t else ''}; got {hs}")
+      if hidden_states.dtype != _dtype(cfg):
+        raise ValueError(f"hidden_states.dtype={hidden_states.dtype} must be the model dtype "
+                         f"{cfg.dtype}")
+      x = hidden_states
     positions = meta.positions
     if positions is None:
-      positions = query_positions(meta.kv_lens, meta.q_lens, tokens.shape[1])
-    x = self.embed_tokens(tokens)
-    hidden = {0: x}
+      positions = query_positions(meta.kv_lens, meta.q_lens, x.shape[1])
+    hidden = {start: x}
 
     # All layers' pages form one pool and layer l's pages start at row l * num_pages, so
     # the attention kernels see one array that the scan carries and updates in place
@@ -331,17 +393,20 @@ class Transformer(nnx.Module):
     stacked = self.layers.weights()
     if isinstance(stacked["q"], (tuple, list)):
       # Unrolled (``unstack_layer_params``): each layer reads its own weight arrays.
-      for layer in range(num_layers):
+      for layer in range(start, stop):
         p = {n: w[layer] for n, w in stacked.items()}
         x, pool = _decoder_block(cfg, layer, p, x, pool, layer_meta(layer), positions,
                                  implementation)
         if layer + 1 in hidden_layers and layer + 1 < num_layers:
           hidden[layer + 1] = x
-      return self._head(x, hidden, hidden_layers, logits_indices, pool)
+      return self._head(x, stop, hidden, hidden_layers, logits_indices, pool)
     # Layer l's output is hidden_states[l + 1]; the last layer's is replaced by the final
-    # norm's, so only outputs of layers below num_layers - 1 are collected, each into its
-    # slot of a carried buffer (slot len(collect) takes the other layers).
-    collect = sorted({i - 1 for i in hidden_layers if 1 <= i <= num_layers - 1})
+    # norm's and the range's last layer's is x after the scan, so only outputs of layers
+    # start .. stop - 2 are collected, each into its slot of a carried buffer (slot
+    # len(collect) takes the other layers). Example: range (0, 4) of 6 layers with
+    # hidden_layers (0, 2, 4): layer 1's output goes to slot 0, x after the scan is
+    # hidden_states[4], the input hidden_states[0].
+    collect = sorted({i - 1 for i in hidden_layers if start + 1 <= i <= stop - 1})
     slot_of = np.full((num_layers,), len(collect), np.int32)
     slot_of[collect] = np.arange(len(collect), dtype=np.int32)
 
@@ -352,28 +417,35 @@ class Transformer(nnx.Module):
     def layer_step(carry, xs):
       x, pool, buf = carry
       layer, p = xs
+      if p is None:  # a partial range: index this layer out of the whole stack
+        p = {n: w[layer] for n, w in stacked.items()}
       x, pool = _decoder_block(cfg, 0 if uniform else layer, p, x, pool, layer_meta(layer),
                                positions, implementation)
       if collect:
         buf = jax.lax.dynamic_update_index_in_dim(buf, x, jnp.asarray(slot_of)[layer], 0)
       return (x, pool, buf), None
 
+    # The full range scans over the stack itself; a partial one indexes the stack in the
+    # body rather than slicing [start:stop] out of it first (a copy of those layers'
+    # weights every call).
+    per_layer = stacked if (start, stop) == full else None
     buf = jnp.zeros((len(collect) + 1,) + x.shape, x.dtype) if collect else None
     (x, pool, buf), _ = jax.lax.scan(layer_step, (x, pool, buf),
-                                     (jnp.arange(num_layers, dtype=jnp.int32), stacked))
+                                     (jnp.arange(start, stop, dtype=jnp.int32), per_layer))
     for s, layer in enumerate(collect):
       hidden[layer + 1] = buf[s]
 
-    return self._head(x, hidden, hidden_layers, logits_indices, pool)
+    return self._head(x, stop, hidden, hidden_layers, logits_indices, pool)
 
-  def _head(self, x, hidden, hidden_layers, logits_indices, pool):
-    """Final norm, requested hidden states and logits after the last layer."""
+  def _head(self, x, stop, hidden, hidden_layers, logits_indices, pool):
+    """Final norm, requested hidden states and logits after layer ``stop - 1``."""
     cfg = self.cfg
-    x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_plus_one)
-    hidden[cfg.num_layers] = x
+    normed = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_plus_one)
+    # hidden_states[num_layers] is the normed state (HF); an early exit's is the raw one.
+    hidden[stop] = normed if stop == cfg.num_layers else x
     if logits_indices is not None:
-      x = jnp.take_along_axis(x, logits_indices[:, :, None], axis=1)
-    out = ModelOutput(self.lm_logits(x), tuple(hidden[i] for i in hidden_layers))
+      normed = jnp.take_along_axis(normed, logits_indices[:, :, None], axis=1)
+    out = ModelOutput(self.lm_logits(normed), tuple(hidden[i] for i in hidden_layers))
     return pool, out
 
 

@@ -138,23 +138,27 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
   return nnx.merge(graphdef, nnx.from_flat_state(new))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "hidden_layers"))
-def _step(graphdef, state, caches, tokens, meta, hidden_layers):
+@functools.partial(jax.jit, static_argnames=("graphdef", "hidden_layers", "layer_range"))
+def _step(graphdef, state, caches, tokens, meta, hidden_layers, layer_range, hidden_states):
   model = nnx.merge(graphdef, state)
-  return model(caches, tokens, meta, hidden_layers=hidden_layers)
+  return model(caches, tokens, meta, hidden_layers=hidden_layers, layer_range=layer_range,
+               hidden_states=hidden_states)
 
 
 def run_step(
     model: Transformer,
     caches: jax.Array,
-    tokens: jax.Array,
+    tokens: jax.Array | None,
     meta: AttentionMetadata,
     *,
     hidden_layers: tuple[int, ...] = (),
+    layer_range: tuple[int, int] | None = None,
+    hidden_states: jax.Array | None = None,
 ) -> tuple[jax.Array, ModelOutput]:
-  """``model(caches, tokens, meta)`` under one ``jax.jit`` (split once per call)."""
+  """``model(caches, tokens, meta, ...)`` under one ``jax.jit`` (split once per call)."""
   graphdef, state = nnx.split(model)
-  return _step(graphdef, state, caches, jnp.asarray(tokens, jnp.int32), meta, hidden_layers)
+  tokens = None if tokens is None else jnp.asarray(tokens, jnp.int32)
+  return _step(graphdef, state, caches, tokens, meta, hidden_layers, layer_range, hidden_states)
 
 
 class PagedKV:
@@ -234,8 +238,12 @@ class PagedKV:
     """Runs one step (``tokens i32[B, T]``, rows padded past ``q_lens``) and commits it."""
     meta = self.metadata(q_lens)
     self.caches, out = run_step(model, self.caches, tokens, meta, hidden_layers=hidden_layers)
-    self.kv_lens = self.kv_lens + np.asarray(q_lens, np.int32)
+    self.commit(q_lens)
     return out
+
+  def commit(self, q_lens: Sequence[int]) -> None:
+    """Adds ``q_lens`` to the committed lengths (after steps run on ``metadata(q_lens)``)."""
+    self.kv_lens = self.kv_lens + np.asarray(q_lens, np.int32)
 
   def truncate(self, row: int, length: int) -> None:
     """Rolls row ``row`` back to ``length`` tokens (stale slots stay, masked by kv_lens)."""

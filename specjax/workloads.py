@@ -19,6 +19,9 @@ humaneval           humaneval                                  the code prompt (
                                                                an instruction
 instructcoder_edit  instructcoder_edit                         instruction + code to edit
 sharegpt            sharegpt                                   first human turn
+random              random                                     ``input_len`` random token ids
+                                                               (``random_prompts``; for models
+                                                               without a tokenizer)
 ==================  =========================================  ==============================
 
 Multi-turn sets (MT-Bench, Spec-Bench's MT-Bench rows, ShareGPT) use the FIRST turn
@@ -40,9 +43,11 @@ import numpy as np
 __all__ = [
     "CATEGORIES",
     "DATASETS",
+    "RANDOM_DATASET",
     "Prompt",
     "load_prompts",
     "poisson_arrivals",
+    "random_prompts",
     "tokenize_prompts",
 ]
 
@@ -61,6 +66,8 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
     "sharegpt": ("sharegpt",),
 }
 DATASETS: tuple[str, ...] = tuple(CATEGORIES)
+# The synthetic workload (``random_prompts``): token ids, no files, no categories.
+RANDOM_DATASET = "random"
 
 _HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function in a "
@@ -83,6 +90,8 @@ class Prompt:
     completion: raw text for completion-style use without a chat template
       (HumanEval: the bare code prompt); None means ``text`` serves both.
     turns: every user turn of the source record (only ``turns[0]`` is used).
+    token_ids: the prompt as token ids, sent as they are (no tokenizer, no chat
+      template); None for text prompts. Set by ``random_prompts``.
   """
 
   id: str
@@ -92,6 +101,7 @@ class Prompt:
   text: str
   completion: str | None = None
   turns: tuple[str, ...] = ()
+  token_ids: tuple[int, ...] | None = None
 
   @property
   def messages(self) -> list[dict[str, str]]:
@@ -212,8 +222,12 @@ def load_prompts(
 
   Raises:
     ValueError: unknown dataset or category (the allowed ones are listed),
-      ``num_prompts < 1``, or more prompts asked of a category than it holds.
+      ``num_prompts < 1``, more prompts asked of a category than it holds, or
+      ``dataset="random"`` (use ``random_prompts``).
   """
+  if dataset == RANDOM_DATASET:
+    raise ValueError(f"dataset={dataset!r} has no files: its prompts come from "
+                     "random_prompts(num_prompts, input_len, vocab_size, seed)")
   if dataset not in CATEGORIES:
     raise ValueError(f"dataset={dataset!r} is unknown; known datasets: {list(DATASETS)}")
   allowed = CATEGORIES[dataset]
@@ -258,6 +272,29 @@ def load_prompts(
   return out
 
 
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int = 0
+                   ) -> list[Prompt]:
+  """``num_prompts`` prompts of ``input_len`` uniform random token ids in ``[0, vocab_size)``.
+
+  The synthetic workload for random-weight models (no tokenizer): prompt ``i`` is drawn
+  from ``numpy.random.default_rng([seed, i])``, so it does not depend on
+  ``num_prompts``. Ids ``"random/<i>"``, dataset and category ``"random"``, empty text.
+
+  Raises:
+    ValueError: ``num_prompts``, ``input_len`` or ``vocab_size`` < 1.
+  """
+  for name, value in (("num_prompts", num_prompts), ("input_len", input_len),
+                      ("vocab_size", vocab_size)):
+    if value < 1:
+      raise ValueError(f"{name}={value} must be >= 1")
+  out = []
+  for i in range(num_prompts):
+    ids = np.random.default_rng([seed, i]).integers(0, vocab_size, input_len)
+    out.append(Prompt(f"random/{i}", RANDOM_DATASET, RANDOM_DATASET, RANDOM_DATASET, "",
+                      token_ids=tuple(int(t) for t in ids)))
+  return out
+
+
 def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> np.ndarray:
   """Arrival times of ``n`` requests from a Poisson process (online mode).
 
@@ -292,6 +329,7 @@ def tokenize_prompts(prompts: Sequence[Prompt], tokenizer, chat_template: bool =
                      ) -> list[tuple[int, ...]]:
   """Token ids of each prompt.
 
+  A prompt with ``token_ids`` (``random_prompts``) is sent as those ids.
   With ``chat_template`` and a tokenizer that has one (``apply_chat_template`` and a
   truthy ``chat_template`` attribute when it exposes one), the prompt's ``messages`` go
   through ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``
@@ -301,7 +339,8 @@ def tokenize_prompts(prompts: Sequence[Prompt], tokenizer, chat_template: bool =
 
   Args:
     prompts: from ``load_prompts``.
-    tokenizer: has ``encode(text, add_special_tokens=True) -> list[int]`` and optionally
+    tokenizer: None (only token-id prompts), or has ``encode(text,
+      add_special_tokens=True) -> list[int]`` and optionally
       ``apply_chat_template(messages, add_generation_prompt=True)`` returning text or ids
       (``models.loaders.tokenizer.Tokenizer`` returns text).
     chat_template: False forces plain encoding.
@@ -310,11 +349,18 @@ def tokenize_prompts(prompts: Sequence[Prompt], tokenizer, chat_template: bool =
     One tuple of ids per prompt.
 
   Raises:
-    ValueError: a prompt that tokenizes to no tokens.
+    ValueError: a prompt that tokenizes to no tokens; a text prompt with
+      ``tokenizer=None``.
   """
-  use_chat = chat_template and _has_chat_template(tokenizer)
+  use_chat = tokenizer is not None and chat_template and _has_chat_template(tokenizer)
   out = []
   for p in prompts:
+    if p.token_ids is not None:
+      out.append(tuple(p.token_ids))
+      continue
+    if tokenizer is None:
+      raise ValueError(f"prompt {p.id!r} is text but tokenizer=None (a model without a "
+                       "tokenizer needs token-id prompts: dataset 'random')")
     if use_chat:
       ids = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True)
       if isinstance(ids, str):  # the template writes BOS itself when the model wants one

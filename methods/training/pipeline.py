@@ -21,6 +21,7 @@ from methods.training.data import (
     tokenize_chat,
 )
 from methods.training.trainer import TrainConfig, TrainResult, train
+from models.zoo import RANDOM_PREFIX
 
 __all__ = ["DraftHeadJob", "train_draft_head"]
 
@@ -67,6 +68,9 @@ class DraftHeadJob:
     if self.max_prompt_tokens >= self.max_len:
       raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} must be < max_len="
                        f"{self.max_len}")
+    if self.target.startswith(RANDOM_PREFIX):
+      raise ValueError(f"target={self.target!r} has random weights and no tokenizer; head "
+                       "training regenerates the target's responses to text prompts")
 
 
 def _data_key(job: DraftHeadJob) -> dict:

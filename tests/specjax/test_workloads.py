@@ -123,3 +123,22 @@ def test_tokenize_prompts_chat_and_plain():
   plain = workloads.tokenize_prompts(prompts, _Tok(None))  # no template: raw completion
   assert plain[0] == tuple(_Tok(None).encode(prompts[0].completion))
   assert workloads.tokenize_prompts(prompts, _Tok("t"), chat_template=False) == plain
+
+
+def test_random_prompts():
+  from specjax.workloads import RANDOM_DATASET, random_prompts, tokenize_prompts
+
+  prompts = random_prompts(3, 16, 50, seed=4)
+  assert [p.id for p in prompts] == ["random/0", "random/1", "random/2"]
+  assert all(p.dataset == p.category == RANDOM_DATASET for p in prompts)
+  assert all(len(p.token_ids) == 16 and all(0 <= t < 50 for t in p.token_ids) for p in prompts)
+  # prompt i does not depend on how many are asked for; the seed changes them
+  assert random_prompts(1, 16, 50, seed=4)[0] == prompts[0]
+  assert random_prompts(1, 16, 50, seed=5)[0].token_ids != prompts[0].token_ids
+  assert tokenize_prompts(prompts, None) == [p.token_ids for p in prompts]
+  with pytest.raises(ValueError, match="is text but tokenizer=None"):
+    tokenize_prompts(load_prompts("gsm8k", 1), None)
+  with pytest.raises(ValueError, match="input_len=0 must be >= 1"):
+    random_prompts(1, 0, 50)
+  with pytest.raises(ValueError, match="dataset='random' has no files"):
+    load_prompts("random", 2)
