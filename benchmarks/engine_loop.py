@@ -32,25 +32,15 @@ import pandas as pd
 from absl import app, flags
 
 from benchmarks.device_time import device_busy_seconds
-from benchmarks.step_cost import LLAMA_8B, _kv_bytes, _param_bytes
-from models.config import ModelConfig
+from benchmarks.step_cost import _kv_bytes, _param_bytes
+from models.shapes import SHAPES
 from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine
 from specjax.method import Capabilities, Draft, Method
 from specjax.request import Request
 from specjax.steps import split_model
 
-__all__ = ["ConstantDrafter", "SHAPES", "read_bandwidth", "run_engine_loop"]
-
-SHAPES = {
-    "llama3-8b": LLAMA_8B,
-    "smollm2-135m": ModelConfig(family="llama", vocab_size=49152, hidden_size=576,
-                                intermediate_size=1536, num_layers=30, num_heads=9,
-                                num_kv_heads=3, head_dim=64, rope_theta=100000.0),
-    "tiny": ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
-}
-
+__all__ = ["ConstantDrafter", "read_bandwidth", "run_engine_loop"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConstantDrafter(Method):
@@ -89,13 +79,11 @@ def read_bandwidth(num_bytes: int = 2 << 30, reps: int = 10) -> float:
 
 
 def _target(name: str, dtype: str):
-  if name in SHAPES:
-    from flax import nnx
-
-    from models.llama import Transformer
+  if name in SHAPES:  # random weights (models.shapes)
+    from models.random_weights import random_transformer
 
     cfg = dataclasses.replace(SHAPES[name], dtype=dtype)
-    return cfg, Transformer(cfg, nnx.Rngs(0))
+    return cfg, random_transformer(cfg, 0)
   from models.zoo import load_model
 
   loaded = load_model(name, dtype)

@@ -94,6 +94,7 @@ def build_batch(*, batch: int, width: int, length: int, page_tables: list[list[i
   return StepBatch(ints, floats, width, length)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DeviceBatch:
   """``unpack_batch``'s views (device arrays, one per column group)."""

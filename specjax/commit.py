@@ -52,7 +52,8 @@ def commit_rows(
   Row i emits ``result[i, :a+1]`` token by token through ``RequestState.append`` (EOS,
   stop ids, stop strings, max_tokens, max_model_len, in that order), so a stop inside
   an accepted run ends the request exactly where plain decoding would. Example: result
-  row ``[5, 9, 2, -1, 2]`` (a = 2) with EOS 9 commits [5, 9] and counts 1 accepted draft.
+  row ``[5, 9, 2, -1, 2]`` (a = 2) with EOS 9 commits [5, 9], both accepted drafts (the
+  recovered token 2 after them is dropped).
 
   Args:
     rows: the step's real rows (result rows beyond them are padding).
