@@ -4,6 +4,11 @@ A smaller model with the same tokenizer drafts k tokens autoregressively with it
 paged KV cache, which shares the target's page table (same page ids, its own arrays).
 After verification its KV is rolled back to the accepted length by bookkeeping only:
 each request's valid draft KV length is ``min(written, committed - 1)``.
+
+A row drafts at most its budget (``ProposeContext.budgets``): a step runs
+``max(budgets)`` draft forwards (none when every budget is 0), and a row takes part
+only in the first ``budget`` of them, so no position past the budget (e.g. at or past
+``max_model_len``) is computed or written.
 """
 
 from __future__ import annotations
@@ -19,7 +24,13 @@ from flax import nnx
 from models.llama import init_kv_caches
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.method import Capabilities, Draft, Method
-from specjax.sampling import STREAM_DRAFT, position_keys, processed_probs, sample_from_probs
+from specjax.sampling import (
+    STREAM_DRAFT,
+    is_greedy,
+    position_keys,
+    processed_probs,
+    sample_from_probs,
+)
 from specjax.steps import forward_step
 
 __all__ = ["DraftModel", "draft_tokens_step"]
@@ -27,21 +38,26 @@ __all__ = ["DraftModel", "draft_tokens_step"]
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "k", "all_greedy", "implementation"),
+    static_argnames=("graphdef", "k", "num_steps", "all_greedy", "implementation"),
     donate_argnames=("kv_caches",),
 )
-def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetadata,
-                      temperature, top_k, top_p, keys, positions, *, k, all_greedy,
+def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetadata, budgets,
+                      temperature, top_k, top_p, keys, positions, *, k, num_steps, all_greedy,
                       implementation):
-  """Drafts k tokens per row.
+  """Drafts ``budgets[b]`` tokens for row b in ``num_steps`` draft forwards.
 
   Args:
     pending: ``i32[B, 2]`` tokens not yet in the draft KV (1 or 2 per row, q_lens says).
-    meta: q_lens = pending counts (0 = padding row), kv_lens after writing them.
+    meta: q_lens = pending counts (0 = padding or budget-0 row), kv_lens after writing them.
+    budgets: ``i32[B]`` draft tokens per row (<= num_steps; 0 for rows with q_lens 0).
+      Forward i (0-based) produces draft i + 1 and includes only rows with budget > i.
     positions: ``i32[B]`` absolute position of the first draft token.
+    k: static width of the outputs (the method's k).
+    num_steps: static number of draft forwards, ``max(budgets)`` (1 <= num_steps <= k).
 
   Returns:
-    ``(kv_caches, tokens i32[B, k], probs f32[B, k, V] or None when all_greedy)``.
+    ``(kv_caches, tokens i32[B, k], probs f32[B, k, V] or None when all_greedy)``; entries
+    at and past a row's budget are garbage (tokens -1 past ``num_steps``, probs 0).
   """
   model = nnx.merge(graphdef, params)
 
@@ -57,10 +73,10 @@ def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetad
   kv_caches, out = model(kv_caches, pending, meta, logits_indices=idx,
                          implementation=implementation)
   tok, probs = pick(out.logits[:, 0], positions)
-  active = meta.q_lens > 0
 
   def body(carry, i):
     caches, tok = carry
+    active = budgets > i  # feeds d_i at position positions + i - 1 to draft d_{i+1}
     step_meta = AttentionMetadata(meta.page_indices, jnp.where(active, meta.kv_lens + i, 0),
                                   active.astype(jnp.int32))
     caches, o = model(caches, tok[:, None], step_meta,
@@ -68,12 +84,13 @@ def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetad
     nxt, p = pick(o.logits[:, 0], positions + i)
     return (caches, nxt), (nxt, p)
 
-  (kv_caches, _), (toks, ps) = jax.lax.scan(body, (kv_caches, tok), jnp.arange(1, k))
+  (kv_caches, _), (toks, ps) = jax.lax.scan(body, (kv_caches, tok), jnp.arange(1, num_steps))
   tokens = jnp.concatenate([tok[:, None], toks.T], axis=1)
+  tokens = jnp.pad(tokens, ((0, 0), (0, k - num_steps)), constant_values=-1)
   if all_greedy:
     return kv_caches, tokens, None
   probs = jnp.concatenate([probs[:, None], jnp.moveaxis(ps, 0, 1)], axis=1)
-  return kv_caches, tokens, probs
+  return kv_caches, tokens, jnp.pad(probs, ((0, 0), (0, k - num_steps), (0, 0)))
 
 
 @dataclasses.dataclass
@@ -112,10 +129,17 @@ class DraftModel(Method):
     batch = ctx.page_indices.shape[0]
     for rid in ctx.new_requests:
       state.written[rid] = 0
+    budgets = np.minimum(np.maximum(np.asarray(ctx.budgets[:rows], np.int32), 0), self.k)
+    num_steps = int(budgets.max(initial=0))
+    if num_steps == 0:  # nobody drafts: no draft forward at all
+      for rid, t in zip(ctx.request_ids, ctx.token_ids):
+        state.written[rid] = min(state.written.get(rid, 0), len(t) - 1)
+      return state, Draft(np.full((rows, self.k), -1, np.int32), np.zeros(rows, np.int32))
     valid = [min(state.written.get(rid, 0), len(t) - 1)
              for rid, t in zip(ctx.request_ids, ctx.token_ids)]
-    # Catch up rows that lag by more than two tokens (new or preempted requests).
-    lag = [len(t) - 1 - v for t, v in zip(ctx.token_ids, valid)]
+    # Catch up drafting rows that lag by more than two tokens (new or preempted requests);
+    # a budget-0 row is caught up when it next drafts.
+    lag = [len(t) - 1 - v if b > 0 else 0 for t, v, b in zip(ctx.token_ids, valid, budgets)]
     if max(lag, default=0) > 1:
       t_len = 16
       while t_len < max(lag):
@@ -136,28 +160,29 @@ class DraftModel(Method):
     q_lens = np.zeros(batch, np.int32)
     kv_lens = np.zeros(batch, np.int32)
     positions = np.zeros(batch, np.int32)
+    row_budgets = np.zeros(batch, np.int32)
+    row_budgets[:rows] = budgets
     for i, (t, v) in enumerate(zip(ctx.token_ids, valid)):
-      if ctx.budgets[i] <= 0:
+      if budgets[i] <= 0:
         continue
       n_pend = len(t) - v  # 1 or 2
       pending[i, :n_pend] = t[v:]
       q_lens[i], kv_lens[i], positions[i] = n_pend, len(t), len(t)
-    all_greedy = bool(np.all(ctx.temperature[:rows] == 0))
+    all_greedy = bool(np.all(is_greedy(ctx.temperature[:rows])))
     meta = AttentionMetadata(ctx.page_indices, kv_lens, q_lens)
     state.kv_caches, tokens, probs = draft_tokens_step(
-        draft.graphdef, draft.params, state.kv_caches, pending, meta,
+        draft.graphdef, draft.params, state.kv_caches, pending, meta, row_budgets,
         ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, positions,
-        k=self.k, all_greedy=all_greedy, implementation=rt.attention_implementation,
+        k=self.k, num_steps=num_steps, all_greedy=all_greedy,
+        implementation=rt.attention_implementation,
     )
     tokens = np.array(tokens)[:rows]
-    num = np.zeros(rows, np.int32)
     for i, (rid, t) in enumerate(zip(ctx.request_ids, ctx.token_ids)):
-      b = int(ctx.budgets[i])
-      num[i] = b
+      b = int(budgets[i])
       tokens[i, b:] = -1
-      # Fed: the pending tokens and drafts d_1 .. d_{k-1}.
-      state.written[rid] = len(t) + self.k - 1 if b > 0 else valid[i]
-    return state, Draft(tokens, num, probs=probs)
+      # Fed: the pending tokens and drafts d_1 .. d_{b-1}.
+      state.written[rid] = len(t) + b - 1 if b > 0 else valid[i]
+    return state, Draft(tokens, budgets, probs=probs)
 
   def observe(self, state: _State, result):
     for rid in result.finished:

@@ -17,6 +17,11 @@ k tokens) or, with ``tree_nodes > 0``, its ``draft_tree`` (a tree of that many n
 and depth <= k, ``models.head_trees``). Tree steps hand back the accepted path's hidden
 rows in commit order (``VerifyResult.target_hidden``), so the feature bookkeeping above
 is the same for both.
+
+Drafting respects the rows' budgets (``ProposeContext.budgets``): a chain step runs
+``max(budgets)`` head steps, a tree step builds a tree of at most ``max(budgets)`` nodes
+and depth ``min(k, max(budgets))`` (its best nodes, so the same first nodes as the full
+tree), and a step where every budget is 0 runs no head at all.
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ from flax import nnx
 
 from models.heads import HeadConfig, load_head, make_head
 from specjax.method import Capabilities, Draft, Method, PrefillResult, VerifyResult
-from specjax.sampling import STREAM_DRAFT, position_keys, processed_probs, sample_from_probs
+from specjax.sampling import (
+    STREAM_DRAFT,
+    is_greedy,
+    position_keys,
+    processed_probs,
+    sample_from_probs,
+)
 
 __all__ = ["LearnedHeadMethod", "head_draft_step", "head_tree_step"]
 
@@ -269,22 +280,32 @@ class LearnedHeadMethod(Method):
       tokens[i, width - n:] = seq[m - n:]
       num_valid[i], positions[i], draft_positions[i] = n, m - 2, m
     target = state.target
+    width = self.tree_nodes or self.k
+    num = np.clip(budgets[:rows], 0, width).astype(np.int32)
+    most = int(num.max(initial=0))
+    if most == 0:  # nobody drafts: no head step at all
+      return state, Draft(np.full((rows, width), -1, np.int32), num)
+    keep = np.arange(width)[None] < num[:, None]
     if self.tree_nodes:
+      # An n-node tree is at most n deep, and the best ``most`` nodes of the shallower
+      # tree are the full tree's first ``most`` nodes (rank order lists parents first).
       out, parents = head_tree_step(
           state.head_graphdef, state.head_state, target.graphdef, target.params, tokens, feats,
-          num_valid, positions, depth=self.k, branching=self.tree_branching,
-          num_nodes=self.tree_nodes)
-      out, parents = np.array(out)[:rows], np.array(parents)[:rows]
-      num = np.minimum(budgets, self.tree_nodes).astype(np.int32)
-      keep = np.arange(self.tree_nodes)[None] < num[:, None]  # rank order: a prefix is a tree
+          num_valid, positions, depth=min(self.k, most), branching=self.tree_branching,
+          num_nodes=most)
+      out, parents = _pad_to(np.array(out)[:rows], width), _pad_to(np.array(parents)[:rows], width)
       return state, Draft(np.where(keep, out, -1), num, parents=np.where(keep, parents, -1))
-    all_greedy = bool(np.all(ctx.temperature[:rows] == 0))
+    all_greedy = bool(np.all(is_greedy(ctx.temperature[:rows])))
     out, probs = head_draft_step(
         state.head_graphdef, state.head_state, target.graphdef, target.params, tokens, feats,
         num_valid, positions, ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys,
-        draft_positions, num_steps=self.k, all_greedy=all_greedy)
-    out = np.array(out)[:rows]
-    num = np.minimum(budgets, self.k).astype(np.int32)
-    for i in range(rows):
-      out[i, num[i]:] = -1
-    return state, Draft(out, num, probs=probs)
+        draft_positions, num_steps=most, all_greedy=all_greedy)
+    out = _pad_to(np.array(out)[:rows], width)
+    if probs is not None and most < width:
+      probs = jnp.pad(probs, ((0, 0), (0, width - most), (0, 0)))
+    return state, Draft(np.where(keep, out, -1), num, probs=probs)
+
+
+def _pad_to(a: np.ndarray, width: int) -> np.ndarray:
+  """``i32[rows, n]`` -> ``i32[rows, width]`` padded with -1 (n <= width)."""
+  return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=-1)

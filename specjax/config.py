@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
-__all__ = ["AUTO_VERIFY_IMPLEMENTATION", "SamplingParams", "EngineConfig"]
+import numpy as np
+
+__all__ = ["AUTO_VERIFY_IMPLEMENTATION", "SAMPLING_EPS", "SamplingParams", "EngineConfig"]
+
+# Temperatures below this are greedy (argmax), as vLLM's ``_SAMPLING_EPS``: softmax(z / t)
+# is then one-hot in f32 for any logit gap that matters, and dividing by smaller t only
+# courts overflow (a positive t of 1e-9 made the fused sampler's softmax inf / NaN).
+# Every sampler and drafter decides greediness by this one rule (``SamplingParams.greedy``,
+# ``specjax.sampling.is_greedy``).
+SAMPLING_EPS = 1e-5
+_F32_MAX = 3.4028234663852886e38
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -12,9 +23,10 @@ class SamplingParams:
   """Per-request sampling and stopping (vLLM semantics).
 
   Attributes:
-    temperature: 0 means greedy (argmax); must be >= 0.
+    temperature: a finite number >= 0; 0, and any value below ``SAMPLING_EPS`` (1e-5),
+      means greedy (argmax), as in vLLM.
     top_k: keep the k most likely tokens; 0 disables. Must be >= 0.
-    top_p: nucleus mass in (0, 1]; 1 disables.
+    top_p: nucleus mass in (0, 1]; 1 disables. Greedy requests ignore top-k / top-p.
     seed: per-request seed; outputs of a seeded request do not depend on its batch
       partners. None derives a key from the engine seed and the request id.
     max_tokens: maximum number of generated tokens (>= 1).
@@ -34,12 +46,14 @@ class SamplingParams:
   ignore_eos: bool = False
 
   def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature={self.temperature} must be >= 0")
+    if not (_finite(self.temperature) and self.temperature >= 0):
+      raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (values "
+                       f"below {SAMPLING_EPS} are greedy)")
     if self.top_k < 0:
       raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+    if not (_finite(self.top_p) and 0 < self.top_p <= 1):
+      raise ValueError(f"top_p={self.top_p} must be a finite number in (0, 1] (1 disables "
+                       "top-p)")
     if self.max_tokens < 1:
       raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
     if isinstance(self.stop, str):
@@ -49,7 +63,17 @@ class SamplingParams:
 
   @property
   def greedy(self) -> bool:
-    return self.temperature == 0
+    """True for argmax decoding: ``temperature < SAMPLING_EPS`` (0 included)."""
+    # Compared in float32, as the device samplers compare the engine's f32 temperatures.
+    return bool(np.float32(self.temperature) < np.float32(SAMPLING_EPS))
+
+
+def _finite(x) -> bool:
+  """A real number whose float32 value is finite (NaN, +-inf and > 3.4e38 are not)."""
+  try:
+    return math.isfinite(x) and abs(x) <= _F32_MAX
+  except TypeError:
+    return False
 
 
 # The fused chain sampler's backend under verify_implementation="auto": the jnp row

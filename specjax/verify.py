@@ -8,7 +8,17 @@ accept draft d_j with probability min(1, p_j(d_j) / q_j(d_j)), where p and q are
 target and draft distributions after the same temperature/top-k/top-p; q(d) = 0
 rejects. At the first rejection sample the recovered token from
 normalize(max(0, p_j - q_j)); if every draft is accepted sample the bonus token from
-p_L. Without draft probabilities q is the one-hot of the draft token.
+p_L. Without draft probabilities q is the one-hot of the draft token. Rows with
+``temperature < SAMPLING_EPS`` are greedy rows (``specjax.sampling.is_greedy``).
+
+Every sampler here draws the recovered / bonus token the same way: a Gumbel-max race
+``argmax_v log w_v + g_v`` over its unnormalized weights w (the residual, or p) with the
+hash noise of ``pallas_kernels.verify`` seeded by ``bits(fold_in(fold_in(request_key,
+position), STREAM_SAMPLE))`` at the token's position. The chain (``rejection_sample``),
+fused chain (``fused_rejection_sample``) and tree (``tree_rejection_sample``) samplers
+therefore give a seeded row the same token whenever they agree on its distribution (a
+row with no draft, a chain-shaped tree), whichever one a step's batch partners route
+it through (G3).
 
 Tree drafts (``tree_rejection_sample``) follow SpecInfer's multi-candidate recursive
 rejection sampling (Miao et al. 2024, "SpecInfer: Accelerating Large Language Model
@@ -23,13 +33,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.verify import verify_rows
+from pallas_kernels.verify import gumbel_noise, verify_rows
 from specjax.sampling import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
+    is_greedy,
     position_keys,
     processed_probs,
-    sample_from_probs,
 )
 
 __all__ = ["fused_rejection_sample", "greedy_tree_verify", "greedy_verify", "rejection_sample",
@@ -48,6 +58,22 @@ def _accept_uniforms(keys, positions, length: int):
   u_keys = jax.vmap(lambda k, ps: position_keys(jnp.broadcast_to(k, (length, 2)), ps,
                                                 STREAM_ACCEPT))(keys, pos)
   return jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(u_keys)
+
+
+def _sample_seeds(keys, positions):
+  """``u32[B]`` noise seeds of the token drawn at ``positions i32[B]`` (stream SAMPLE)."""
+  return jax.vmap(lambda k: jax.random.bits(k, (), jnp.uint32))(
+      position_keys(keys, positions, STREAM_SAMPLE))
+
+
+def _race_sample(weights, keys, positions):
+  """One token per row from ``weights f32[B, V]`` (>= 0, unnormalized, some > 0): the
+  Gumbel-max race of ``pallas_kernels.verify`` (first index wins ties), so it draws
+  exactly the fused sampler's token from the same weights and seed."""
+  seeds = _sample_seeds(keys, positions)[:, None]
+  g = gumbel_noise(seeds, jnp.arange(weights.shape[-1], dtype=jnp.int32)[None])
+  race = jnp.where(weights > 0, jnp.log(jnp.where(weights > 0, weights, 1.0)) + g, -jnp.inf)
+  return jnp.argmax(race, axis=-1).astype(jnp.int32)
 
 
 def _assemble(draft_tokens, num_accepted, last_token):
@@ -130,11 +156,10 @@ def rejection_sample(
   q_a = jnp.take_along_axis(q_pad, accepted[:, None, None], axis=1)[:, 0]
   rejected = accepted < num_draft
   residual = jnp.maximum(p_a - jnp.where(rejected[:, None], q_a, 0.0), 0.0)
-  mass = jnp.sum(residual, axis=-1, keepdims=True)
-  dist = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_a)
-  last = sample_from_probs(dist, position_keys(keys, positions + accepted, STREAM_SAMPLE))
+  has_mass = jnp.any(residual > 0, axis=-1, keepdims=True)
+  last = _race_sample(jnp.where(has_mass, residual, p_a), keys, positions + accepted)
   out = _assemble(draft_tokens, accepted, last)
-  greedy_row = (temperature == 0)[:, None]
+  greedy_row = is_greedy(temperature)[:, None]
   out = jnp.where(greedy_row, greedy_out, out)
   accepted = jnp.where(greedy_row[:, 0], greedy_acc, accepted)
   return out, accepted
@@ -155,19 +180,19 @@ def fused_rejection_sample(
   """Lossless chain verification through ``pallas_kernels.verify`` (temperature only).
 
   Same acceptance rule as :func:`rejection_sample` (accept draft j with probability
-  min(1, p_j(d_j) / q_j(d_j)), same uniforms), but p, q(d) and the recovered / bonus
-  draw come from one sweep over V per position (``verify_rows``): no [B, L+1, V]
-  probability or residual array is built. The recovered token is drawn by a
-  Gumbel-max race with hash noise instead of inverse-CDF sampling, so a seeded request
-  gets a different (equally distributed) token than from :func:`rejection_sample`.
-  No top-k / top-p: callers use :func:`rejection_sample` for requests that set them.
+  min(1, p_j(d_j) / q_j(d_j)), same uniforms) and the same Gumbel-max draw of the
+  recovered / bonus token (same seeds), but p, q(d) and the draw come from one sweep
+  over V per position (``verify_rows``): no [B, L+1, V] probability or residual array is
+  built. A seeded temperature-only request thus gets the same tokens as from
+  :func:`rejection_sample` (up to float rounding of p). No top-k / top-p: callers use
+  :func:`rejection_sample` for requests that set them.
 
   Args:
     target_logits: ``f32/bf16[B, L+1, V]``.
     draft_tokens: ``i32[B, L]``, -1 padded; num_draft ``i32[B]``.
     draft_probs: ``f32[B, L, V]`` draft distributions after the same temperature, or
       None (q = one-hot of the draft token).
-    temperature: ``f32[B]`` (0 = greedy row).
+    temperature: ``f32[B]`` (below ``SAMPLING_EPS`` = greedy row).
     keys: ``u32[B, 2]`` request keys; positions ``i32[B]`` as in :func:`rejection_sample`.
     implementation: ``pallas_kernels.verify`` implementation(s), tried in order.
     interpret: run Pallas backends in interpret mode (CPU tests).
@@ -179,11 +204,11 @@ def fused_rejection_sample(
   j = jnp.arange(length + 1)[None]
   padded = jnp.concatenate([draft_tokens, jnp.full((batch, 1), -1, jnp.int32)], axis=1)
   tokens = jnp.where(j < num_draft[:, None], padded, -1)
-  seeds = jnp.stack([
-      jax.vmap(lambda k: jax.random.bits(k, (), jnp.uint32))(
-          position_keys(keys, positions + i, STREAM_SAMPLE))
-      for i in range(length + 1)], axis=1)  # [B, L+1]
-  stats = verify_rows(target_logits, temperature, tokens, seeds,
+  seeds = jnp.stack([_sample_seeds(keys, positions + i) for i in range(length + 1)],
+                    axis=1)  # [B, L+1]
+  greedy = is_greedy(temperature)
+  # Greedy rows read only the argmax; temperature 0 keeps their p finite and unused.
+  stats = verify_rows(target_logits, jnp.where(greedy, 0.0, temperature), tokens, seeds,
                       draft_probs if length else None,
                       implementation=implementation, interpret=interpret)
   valid = j[:, :length] < num_draft[:, None]
@@ -193,7 +218,6 @@ def fused_rejection_sample(
   p_d, q_d = stats.p_token[:, :length], stats.q_token[:, :length]
   accepted = _leading_run((q_d > 0) & (u * q_d < p_d) & valid)
   last = jnp.take_along_axis(stats.sample, accepted[:, None], axis=1)[:, 0]
-  greedy = temperature == 0
   accepted = jnp.where(greedy, greedy_acc, accepted)
   return _assemble(draft_tokens, accepted, jnp.where(greedy, greedy_last, last)), accepted
 
@@ -291,12 +315,16 @@ def tree_rejection_sample(
   follow p exactly whenever each child's token was drawn from its q_c given the
   earlier siblings, e.g. i.i.d. from the parent's draft distribution, or chosen
   deterministically (top-k trees: pass no probabilities, q_c = one-hot of x, and the
-  residual just removes x). Greedy rows (temperature 0) use ``greedy_tree_verify``.
+  residual just removes x). Greedy rows (temperature below ``SAMPLING_EPS``) use
+  ``greedy_tree_verify``.
 
   Randomness: the uniform of a node at depth d and sibling rank r uses
   ``fold_in(request_key, positions + d - 1)`` on the accept stream, folded once more
-  with r when r > 0 (so a one-branch tree draws exactly the chain sampler's numbers);
-  the final token uses ``positions + num_accepted`` on the sample stream.
+  with r when r > 0; the final token is the chain samplers' Gumbel-max race at
+  ``positions + num_accepted`` over the same unnormalized weights (p at the node, or
+  the last rejection's residual max(r - q, 0)). So a one-branch tree, and a row with no
+  nodes, gets exactly :func:`rejection_sample`'s tokens, and the fused sampler's up to
+  float rounding of p.
 
   Args:
     target_logits: ``f32[B, L+1, V]``; row 0 is the root, row ``j + 1`` node j.
@@ -333,7 +361,7 @@ def tree_rejection_sample(
   safe = jnp.maximum(draft_tokens, 0)
 
   def step(carry, xs):
-    cur, num, path, r, rejected = carry
+    cur, num, path, r, w = carry  # w: unnormalized weights of the final draw
     j, tok, par, ok, u_j, q_j = xs
     q = jax.nn.one_hot(tok, vocab, dtype=jnp.float32) if q_j is None else q_j
     r_x = jnp.take_along_axis(r, tok[:, None], axis=1)[:, 0]
@@ -344,23 +372,20 @@ def tree_rejection_sample(
     residual = jnp.maximum(r - q, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     r_rejected = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), r)
+    w_rejected = jnp.where(mass > 0, residual, r)
     p_child = jax.lax.dynamic_index_in_dim(p, j + 1, axis=1, keepdims=False)
     r = jnp.where(accept[:, None], p_child, jnp.where(reject[:, None], r_rejected, r))
+    w = jnp.where(accept[:, None], p_child, jnp.where(reject[:, None], w_rejected, w))
     path = _record(path, num, accept, j)
-    carry = (jnp.where(accept, j + 1, cur), num + accept, path, r,
-             (rejected | reject) & ~accept)
-    return carry, None
+    return (jnp.where(accept, j + 1, cur), num + accept, path, r, w), None
 
   q_xs = None if draft_probs is None else jnp.moveaxis(draft_probs.astype(jnp.float32), 1, 0)
   init = (jnp.zeros(batch, jnp.int32), jnp.zeros(batch, jnp.int32),
-          jnp.full((batch, length), -1, jnp.int32), p[:, 0], jnp.zeros(batch, bool))
+          jnp.full((batch, length), -1, jnp.int32), p[:, 0], p[:, 0])
   xs = (jnp.arange(length, dtype=jnp.int32), safe.T, parents.T, valid.T, u.T, q_xs)
-  (_, num, path, r, rejected), _ = jax.lax.scan(step, init, xs)
-  mass = jnp.sum(r, axis=-1, keepdims=True)
-  bonus = jnp.where(mass > 0, r / jnp.where(mass > 0, mass, 1.0), r)
-  dist = jnp.where(rejected[:, None], r, bonus)
-  last = sample_from_probs(dist, position_keys(keys, positions + num, STREAM_SAMPLE))
+  (_, num, path, _, w), _ = jax.lax.scan(step, init, xs)
+  last = _race_sample(w, keys, positions + num)
   out = _path_output(draft_tokens, path, num, last)
-  greedy_row = temperature == 0
+  greedy_row = is_greedy(temperature)
   return (jnp.where(greedy_row[:, None], greedy[0], out), jnp.where(greedy_row, greedy[1], num),
           jnp.where(greedy_row[:, None], greedy[2], path))

@@ -16,12 +16,13 @@ import jax
 from pallas_kernels.verify.reference import (
     RowStats,
     gumbel_noise,
+    tempered_logits,
     uniform_noise,
     verify_rows_reference,
 )
 
 __all__ = ["IMPLEMENTATIONS", "RowStats", "gumbel_noise", "implementations_used",
-           "uniform_noise", "verify_rows", "verify_rows_reference"]
+           "tempered_logits", "uniform_noise", "verify_rows", "verify_rows_reference"]
 
 # "reference": pure jnp (XLA), any platform; "pallas_triton": pl.pallas_call lowered
 # through Pallas' Triton backend (CUDA GPUs; CPU with interpret=True).

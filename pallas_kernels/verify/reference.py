@@ -7,7 +7,8 @@ sweep over V:
 
 - ``argmax``: the greedy target token (first index of the maximum raw logit);
 - ``p_token`` = p(x), ``q_token`` = q(x) for the draft token x, where
-  p = softmax(logits / temperature) (Leviathan et al. 2023 accept x with probability
+  p = softmax(logits / temperature) (computed as ``tempered_logits``: finite for every
+  temperature > 0) (Leviathan et al. 2023 accept x with probability
   min(1, p(x) / q(x)); q is the one-hot of x when no draft probabilities are given);
 - ``sample``: a draw from normalize(max(p - q, 0)) (the recovered token if x is
   rejected), or from p when the row has no draft token or that residual has no mass
@@ -26,7 +27,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["RowStats", "check_inputs", "gumbel_noise", "uniform_noise", "verify_rows_reference"]
+__all__ = ["RowStats", "check_inputs", "gumbel_noise", "tempered_logits", "uniform_noise",
+           "verify_rows_reference"]
 
 _GOLDEN = 0x9E3779B9
 
@@ -61,6 +63,26 @@ def uniform_noise(seed: jax.Array, index: jax.Array) -> jax.Array:
 def gumbel_noise(seed: jax.Array, index: jax.Array) -> jax.Array:
   """Standard Gumbel noise ``-log(-log(U))`` from :func:`uniform_noise`."""
   return -jnp.log(-jnp.log(uniform_noise(seed, index)))
+
+
+def tempered_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+  """``(x - max_v x) / t``, exactly 0 at the maximum: ``f32[B, R, V]`` values <= 0.
+
+  Its softmax is softmax(x / t). Shifting the raw logits before dividing keeps it
+  finite for every t > 0: ``x / t`` overflows for a denormal t, and at small t the
+  difference of two separately rounded huge numbers ``x * (1/t) - max(x * (1/t))`` loses
+  all precision (the Triton kernel's p(argmax) came out as 0.16 at t = 1e-7 and inf at
+  t = 1e-9). As t -> 0 it tends to the greedy limit: 0 at the argmax (and its ties),
+  -inf elsewhere.
+
+  Args:
+    logits: ``f32/bf16[B, R, V]``.
+    temperature: ``f32[B]``; rows with temperature <= 0 use 1.
+  """
+  x = logits.astype(jnp.float32)
+  t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)[:, None, None]
+  m = jnp.max(x, axis=-1, keepdims=True)
+  return jnp.where(x >= m, 0.0, (x - m) / t)
 
 
 def check_inputs(logits, temperature, tokens, seeds, q) -> None:
@@ -103,8 +125,7 @@ def verify_rows_reference(
   x = logits.astype(jnp.float32)
   batch, num_rows, vocab = x.shape
   argmax = jnp.argmax(x, axis=-1).astype(jnp.int32)
-  t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
-  p = jax.nn.softmax(x / t[:, None, None], axis=-1)
+  p = jax.nn.softmax(tempered_logits(x, temperature), axis=-1)
   has_tok = tokens >= 0
   safe = jnp.maximum(tokens, 0)[..., None]
   p_token = jnp.where(has_tok, jnp.take_along_axis(p, safe, axis=-1)[..., 0], 0.0)

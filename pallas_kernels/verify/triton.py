@@ -3,7 +3,8 @@
 Implementation name ``"pallas_triton"``; same contract as
 ``pallas_kernels.verify.reference.verify_rows_reference``. Grid ``(B, T)``: one program
 per verified row streams that row's logits (and q) in blocks of ``block`` entries twice
-— pass 1 keeps the running max / sum of exp (online softmax), the raw-logit argmax and
+— pass 1 keeps the running raw-logit max and argmax, the sum of exp((x - max) / t)
+(online softmax, finite for every temperature > 0) and
 the draft token's logit and q; pass 2 runs the Gumbel-max races for the residual and
 for p with the hash noise of ``reference.uniform_noise`` — so no [R, V] probability,
 residual or noise array is ever written. Runs on CUDA GPUs and, with
@@ -67,27 +68,31 @@ def _kernel(temp_ref, tok_ref, seed_ref, logits_ref, *rest, has_q: bool, num_blo
       return jnp.where(tok >= 0, q_ref[i].astype(jnp.float32), 0.0)
     return jnp.where(index == tok, 1.0, 0.0).astype(jnp.float32)
 
+  def gap(a, top):
+    # (a - top) / t, exactly 0 at the row maximum: softmax(x / t) = exp(gap(x, max)) / z
+    # stays finite for every t > 0 (reference.tempered_logits; no huge x / t products).
+    return jnp.where(a >= top, 0.0, (a - top) * inv_t)
+
   def pass1(i, carry):
-    m, z, best, best_idx, s_tok, q_tok = carry
+    best, z, best_idx, x_tok, q_tok = carry  # best: running max of the raw logits
     x = logits_ref[i].astype(jnp.float32)
     index = i * block + lane
+    top = jnp.maximum(best, jnp.max(x))
+    z = z * jnp.exp(gap(best, top)) + jnp.sum(jnp.exp(gap(x, top)))
     best, best_idx = _first_max(x, index, best, best_idx)
-    s = x * inv_t
-    m_new = jnp.maximum(m, jnp.max(s))
-    z = z * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new))
     hit = index == tok
-    s_tok = s_tok + jnp.sum(jnp.where(hit, s, 0.0))
+    x_tok = x_tok + jnp.sum(jnp.where(hit, x, 0.0))
     q_tok = q_tok + jnp.sum(jnp.where(hit, q_block(i, index), 0.0))
-    return m_new, z, best, best_idx, s_tok, q_tok
+    return best, z, best_idx, x_tok, q_tok
 
   zero = jnp.float32(0)
-  m, z, _, best_idx, s_tok, q_tok = lax.fori_loop(
-      0, num_blocks, pass1, (neg_inf, zero, neg_inf, jnp.int32(0), zero, zero))
+  top, z, best_idx, x_tok, q_tok = lax.fori_loop(
+      0, num_blocks, pass1, (neg_inf, zero, jnp.int32(0), zero, zero))
 
   def pass2(i, carry):
     best_r, idx_r, best_p, idx_p = carry
     index = i * block + lane
-    p = jnp.exp(logits_ref[i].astype(jnp.float32) * inv_t - m) / z
+    p = jnp.exp(gap(logits_ref[i].astype(jnp.float32), top)) / z
     residual = jnp.maximum(p - q_block(i, index), 0.0)
     g = gumbel_noise(seed, index)
     race_r = jnp.where(residual > 0, jnp.log(residual) + g, neg_inf)
@@ -100,7 +105,7 @@ def _kernel(temp_ref, tok_ref, seed_ref, logits_ref, *rest, has_q: bool, num_blo
       0, num_blocks, pass2, (neg_inf, jnp.int32(0), neg_inf, jnp.int32(0)))
   has_tok = tok >= 0
   argmax_ref[0, 0] = best_idx
-  p_ref[0, 0] = jnp.where(has_tok, jnp.exp(s_tok - m) / z, 0.0)
+  p_ref[0, 0] = jnp.where(has_tok, jnp.exp(gap(x_tok, top)) / z, 0.0)
   qtok_ref[0, 0] = jnp.where(has_tok, q_tok, 0.0)
   sample_ref[0, 0] = jnp.where(best_r > neg_inf, idx_r, idx_p)
 

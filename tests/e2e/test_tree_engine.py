@@ -8,12 +8,16 @@ Python walk of the same tree predicts (every accepted node but the first child o
 root sits past its depth, so its KV is moved), and end requests at EOS / stop ids /
 stop strings / max_tokens / max_model_len inside an accepted path exactly as AR does.
 A chain handed over as a one-branch tree gives the chain's outputs and counters, greedy
-and stochastic.
+and stochastic. G3: a seeded request with no draft does not depend on a partner's tree.
 """
 
+import dataclasses
+
+import numpy as np
 import pytest
 from e2e_lib import (
     MAX_MODEL_LEN,
+    VOCAB,
     ChainAsTree,
     check_counters,
     decode,
@@ -25,6 +29,7 @@ from e2e_lib import (
 
 from methods.registry import make_method
 from specjax.config import SamplingParams
+from specjax.method import Draft, Method
 from specjax.request import Request
 
 TREE_K = 12  # 4 levels of (wrong, right, decoy) with branching 2: depth 4 like K = 4
@@ -150,3 +155,45 @@ def test_stops_inside_tree_path(make_engine, reference, continuation):
         assert o.output_token_ids == continuation[: int(arg) + 1] and o.finish_reason == "stop"
       if rid == "eos":
         assert o.output_token_ids == continuation[: eos_at + 1] and o.finish_reason == "stop"
+
+
+# ---------------------------------------------------------------- G3 for trees
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _PartnerTree(Method):
+  """Drafts a small tree (two children of the root, one grandchild) for the request ids
+  in ``drafting`` and nothing for the others (tokens need not be right: q is one-hot)."""
+
+  name = "partner_tree"
+  k: int = TREE_K
+  drafting: frozenset = frozenset()
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    return self.k
+
+  def propose(self, state, context):
+    rows = len(context.request_ids)
+    tokens = np.full((rows, self.k), -1, np.int32)
+    parents = np.full((rows, self.k), -1, np.int32)
+    num = np.zeros(rows, np.int32)
+    for i, (rid, seq) in enumerate(zip(context.request_ids, context.token_ids)):
+      n = min(3, int(context.budgets[i])) if rid in self.drafting else 0
+      last = int(seq[-1])
+      tokens[i, :n] = [(last + 1) % VOCAB, (last + 2) % VOCAB, (last + 3) % VOCAB][:n]
+      parents[i, :n] = [-1, -1, 0][:n]
+      num[i] = n
+    return state, Draft(tokens, num, parents=parents)
+
+
+def test_seeded_row_without_draft_ignores_tree_partner(make_engine):
+  """A seeded sampled request that never drafts gets the same tokens alone (chain steps:
+  the fused sampler under "auto") as next to a partner whose tree routes every step
+  through the tree sampler."""
+  solo = Request("solo", (7, 21, 3, 30, 12),
+                 SamplingParams(temperature=1.0, seed=99, max_tokens=10))
+  partner = Request("partner", (4, 4, 9), SamplingParams(temperature=0.9, seed=5, max_tokens=10))
+  method = _PartnerTree(drafting=frozenset({"partner"}))
+  alone = make_engine(method).generate([solo])[0][0].output_token_ids
+  mixed, metrics = make_engine(method).generate([solo, partner])
+  assert any(s.num_draft_tokens for s in metrics.steps)  # the partner drafted trees
+  assert mixed[0].output_token_ids == alone

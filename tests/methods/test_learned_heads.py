@@ -410,3 +410,38 @@ def test_preemption_keeps_outputs(target, ar_outputs):
       _requests(*WORKLOADS["batch3"]))
   assert metrics.num_preemptions > 0
   assert [o.output_token_ids for o in outputs] == ar_outputs("batch3")
+
+
+@pytest.mark.parametrize("tree_nodes", [0, 6], ids=["chain", "tree"])
+def test_heads_draft_at_most_the_budget(target, monkeypatch, tree_nodes):
+  """Near max_model_len a step where every budget is < k runs at most max(budget) head
+  steps (chain length / tree depth), a step with no budget runs no head, and greedy SD
+  still equals AR."""
+  import methods.learned as learned_mod  # noqa: PLC0415
+
+  calls, budgets = [], []
+  real = {n: getattr(learned_mod, n) for n in ("head_draft_step", "head_tree_step")}
+
+  def spy(name, key):
+    def step(*args, **kw):
+      calls[-1] = kw[key]
+      return real[name](*args, **kw)
+    return step
+
+  real_propose = learned_mod.LearnedHeadMethod.propose
+
+  def propose(self, state, ctx):
+    budgets.append(int(max(ctx.budgets, default=0)))
+    calls.append(0)
+    return real_propose(self, state, ctx)
+
+  monkeypatch.setattr(learned_mod, "head_draft_step", spy("head_draft_step", "num_steps"))
+  monkeypatch.setattr(learned_mod, "head_tree_step", spy("head_tree_step", "depth"))
+  monkeypatch.setattr(learned_mod.LearnedHeadMethod, "propose", propose)
+  requests = [Request("edge", tuple(range(1, MAX_LEN - 5)), SamplingParams(max_tokens=40))]
+  kw = {"tree_nodes": tree_nodes, "tree_branching": 2} if tree_nodes else {}
+  outputs, _ = Engine(target, _method("eagle", **kw), ENGINE).generate(requests)
+  ar, _ = Engine(target, make_method("ar"), ENGINE).generate(requests)
+  assert outputs[0].output_token_ids == ar[0].output_token_ids
+  assert min(budgets) < K
+  assert calls == [min(b, K) for b in budgets], (calls, budgets)
