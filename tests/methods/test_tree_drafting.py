@@ -114,11 +114,12 @@ class OracleTreeHead(OracleHead):
   """``OracleHead`` (right tokens only for an exactly right window) as a tree: level l
   holds [wrong, right, decoy] where the decoy (the next level's right token) hangs
   under the wrong sibling. Node order is parents first; the right node of level l is
-  node 3l + 1, at depth l + 1."""
+  node 3l + 1, at depth l + 1. The method asks for at most ``3 * depth`` nodes (fewer,
+  and a shallower tree, when every row's budget is smaller): the first ``num_nodes``."""
 
   def draft_tree(self, target, tokens, feats, num_valid, positions, depth, branching,
                  num_nodes):
-    assert num_nodes == 3 * depth
+    assert num_nodes <= 3 * depth
     want, _ = self.draft(target, tokens, feats, num_valid, positions, depth,
                          lambda logits, j: (jnp.argmax(logits, -1).astype(jnp.int32), None))
     nxt = jnp.concatenate([want[:, 1:], jnp.zeros_like(want[:, :1])], 1)
@@ -127,7 +128,8 @@ class OracleTreeHead(OracleHead):
     for level in range(depth):
       above = 3 * level - 2 if level else -1
       parents += [above, above, 3 * level]
-    return toks, jnp.broadcast_to(jnp.asarray(parents, jnp.int32), toks.shape)
+    parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), toks.shape)
+    return toks[:, :num_nodes], parents[:, :num_nodes]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
