@@ -48,6 +48,7 @@ import numpy as np
 import pandas as pd
 
 from harness.divergence import divergence, first_divergence
+from harness.kv_memory import method_kv_bytes_per_token
 from methods.registry import METHODS, make_method
 from models.zoo import is_random_name
 from pallas_kernels.paged_attention import implementations_used, resolve_implementation
@@ -507,7 +508,9 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
           row, diverged = _row(name, methods[name], outs, met, ar_outs, ar_metrics, greedy,
                                 target_split)
           rows.append({**static, "draft": cfg.draft if name in needs_draft else None,
-                       "batch_size": batch, "repeat": rep, **row})
+                       "batch_size": batch, "repeat": rep, **row,
+                       "kv_bytes_per_token": method_kv_bytes_per_token(
+                           methods[name], engines[name].runtime)})
           output_records.extend(
               _output_record(name, batch, rep, o, p, diverged)
               for o, p in zip(outs, prompts)

@@ -56,6 +56,18 @@ SHAPES: dict[str, ModelConfig] = {
     "qwen2.5-coder-0.5b": ModelConfig(
         **_QWEN25, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
         head_dim=64),
+    # Qwen3-8B: 8.19e9 parameters (HF config.json: q/k RMSNorm, untied head).
+    "qwen3-8b": ModelConfig(
+        family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
+        qk_norm=True, dtype="bfloat16"),
+    # Qwen3-0.6B: 5.96e8 parameters (tied embeddings); the seed paper's draft for Qwen3-8B.
+    "qwen3-0.6b": ModelConfig(
+        family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=True,
+        qk_norm=True, dtype="bfloat16"),
     # A CPU-test size (f32): 2 layers, D 64, V 512; 1.07e5 parameters.
     "tiny": ModelConfig(
         family="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
