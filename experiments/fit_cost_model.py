@@ -1,0 +1,34 @@
+"""Fits a step cost model (``harness.cost_model.fit``) from engine-loop and evaluation CSVs.
+
+  python -m experiments.fit_cost_model \
+      --engine_loop_csv=docs/gpu/session6/runtime_v2/engine_loop_8b_b1/engine_loop.csv \
+      --eval_csv=results/x/results.csv --output=cost_model.json
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from absl import app, flags
+
+from harness import cost_model
+
+_LOOP = flags.DEFINE_list("engine_loop_csv", None, "benchmarks.engine_loop CSVs.", required=True)
+_EVAL = flags.DEFINE_list("eval_csv", [], "harness.evaluation results.csv files (draft costs).")
+_NEW = flags.DEFINE_integer("new_tokens", 64, "The engine-loop runs' --new_tokens.")
+_NAME = flags.DEFINE_string("name", "fitted", "Label of the cost model.")
+_SWITCH = flags.DEFINE_float("switch_cost_ms", 0.0, "Method switching cost per row (ms).")
+_OUT = flags.DEFINE_string("output", "cost_model.json", "Where the JSON goes.")
+
+
+def main(argv):
+  del argv
+  model = cost_model.fit([pd.read_csv(p) for p in _LOOP.value],
+                         [pd.read_csv(p) for p in _EVAL.value], new_tokens=_NEW.value,
+                         name=_NAME.value, switch_s=_SWITCH.value / 1e3)
+  with open(_OUT.value, "w") as f:
+    f.write(model.to_json())
+  print(model.to_json())
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,335 @@
+"""Trace-driven bound simulator of SD speedup over AR (after the seed paper's oracle
+simulator, SpecDecode-Bench/simulator; methods_reference.md 1.7).
+
+Inputs are acceptance traces (``harness.traces``: per request, ``acc_len[m][i]`` = tokens a
+step starting at output position i commits with method m, i.e. accepted drafts + 1) and a
+``harness.cost_model.CostModel``. A step starting at position i (i output tokens
+committed; the prefill made token 0, so decoding starts at i = 1) with ``l`` drafts
+commits ``min(acc_len[i], l + 1)`` tokens. Policies, per row and step:
+
+  * ``ar``: l = 0 (the baseline; plain-decoding overhead, no draft cost).
+  * ``fixed`` (method m, k): l = min(k, n - i - 1, draft_len[m][i]) where the trace has
+    ``draft_len`` (what the method proposed there; seed traces have none: l = k, as the
+    seed's FIXED_k).
+  * ``oracle`` (method m): l = acc_len[m][i] - 1: every verified draft is accepted.
+  * ``combine`` (methods m_1..): per row the method with the largest acc_len[i] (ties:
+    the cheaper draft cost at one row, then the order given), drafting exactly its
+    accepted run; each method pays its own draft cost over its rows; a row whose method
+    differs from the one it drafted with last pays ``CostModel.switch_s``.
+
+Every commit is also capped at n - i (the request's remaining tokens), as the engine's
+budget caps it. Step time = target(kv, q) + sum of draft costs + overhead (+ switches),
+with kv = sum of (prompt + i) over the step's rows. Prefill (``include_prefill``) is one
+target forward over the admitted prompts plus one AR overhead, for AR and SD alike.
+
+Batching: ``"continuous"`` (offline, like ``specjax.engine``: ``batch_size`` slots,
+requests in trace order, a finished row's slot goes to the next request at the next
+step) or ``"copies"`` (the seed's: each request alone with ``batch_size - 1`` identical
+copies; speedup = mean SD throughput / mean AR throughput over requests).
+
+Not modelled: the draft model catching up on tokens it did not draft, preemption, online
+arrivals, chunked prefill under a token budget, tree drafts, sampling (traces are greedy).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from harness.cost_model import CostModel
+
+__all__ = ["Policy", "SimResult", "compare_engine_loop", "simulate", "speedup_table"]
+
+POLICIES = ("ar", "fixed", "oracle", "combine")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Policy:
+  """How many drafts each row verifies (module docstring).
+
+  Attributes:
+    kind: one of ``POLICIES``.
+    methods: the trace methods used (``fixed``/``oracle``: exactly one; ``combine``: >= 1).
+    k: ``fixed``: the draft length (>= 1); ``oracle``/``combine``: the most drafts per
+      step (0 = unbounded).
+  """
+
+  kind: str
+  methods: tuple[str, ...] = ()
+  k: int = 0
+
+  def __post_init__(self):
+    if self.kind not in POLICIES:
+      raise ValueError(f"policy kind={self.kind!r} must be one of {POLICIES}")
+    n = len(self.methods)
+    if self.kind == "ar" and n:
+      raise ValueError(f"policy 'ar' takes no methods, got methods={self.methods}")
+    if self.kind in ("fixed", "oracle") and n != 1:
+      raise ValueError(f"policy {self.kind!r} needs exactly one method, got {self.methods}")
+    if self.kind == "combine" and n < 1:
+      raise ValueError("policy 'combine' needs at least one method")
+    if self.kind == "fixed" and self.k < 1:
+      raise ValueError(f"policy 'fixed' needs k >= 1, got k={self.k}")
+    if self.k < 0:
+      raise ValueError(f"k={self.k} must be >= 0")
+
+  @property
+  def label(self) -> str:
+    if self.kind == "ar":
+      return "ar"
+    name = "+".join(self.methods)
+    return f"{self.kind}_k{self.k}:{name}" if self.kind == "fixed" else f"{self.kind}:{name}"
+
+
+@dataclasses.dataclass
+class SimResult:
+  """Totals of one simulated run (seconds, tokens)."""
+
+  time_s: float = 0.0
+  prefill_s: float = 0.0
+  verify_s: float = 0.0
+  draft_s: float = 0.0
+  overhead_s: float = 0.0
+  switch_s: float = 0.0
+  num_steps: int = 0
+  row_steps: int = 0
+  committed: int = 0  # tokens committed by decode steps
+  verified: int = 0  # sum of l + 1 over row-steps (unpadded)
+  num_switches: int = 0
+  output_tokens: int = 0
+
+  @property
+  def tau(self) -> float:
+    return self.committed / self.row_steps if self.row_steps else float("nan")
+
+  def add(self, other: SimResult) -> None:
+    for f in dataclasses.fields(self):
+      setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclasses.dataclass
+class _Row:
+  index: int  # request index
+  weight: int  # identical copies this row stands for
+  pos: int = 1
+  last_method: str | None = None
+
+
+def _trace_arrays(records, methods):
+  """Per request: n, prompt length, {method: (acc i64[n], draft_len i64[n] or None)}."""
+  out = []
+  for r in records:
+    n = len(r.generated_token_ids)
+    per = {}
+    for m in methods:
+      if m not in r.methods:
+        raise ValueError(f"request {r.request_id!r} has no trace for method {m!r}; it has "
+                         f"{sorted(r.methods)}")
+      t = r.methods[m]
+      dl = t.extras.get("draft_len")
+      per[m] = (np.asarray(t.acc_len, np.int64), None if dl is None else np.asarray(dl, np.int64))
+    out.append((n, len(r.prompt_token_ids), per))
+  return out
+
+
+def _choose(policy: Policy, row: _Row, arrays, cost: CostModel) -> tuple[str | None, int, int]:
+  """(method or None, drafts l, committed tokens) for one row at its position."""
+  n, _, per = arrays[row.index]
+  i = row.pos
+  remaining = n - i
+  if policy.kind == "ar":
+    return None, 0, 1
+  if policy.kind == "fixed":
+    m = policy.methods[0]
+    acc, draft_len = per[m]
+    length = min(policy.k, remaining - 1)
+    if draft_len is not None:
+      length = min(length, int(draft_len[i]))
+    return m, length, min(int(acc[i]), length + 1)
+  best, best_acc = None, 0
+  for m in policy.methods:
+    a = min(int(per[m][0][i]), remaining)
+    if policy.k:
+      a = min(a, policy.k + 1)
+    if a > best_acc or (a == best_acc and best is not None and a > 1 and
+                        _unit_cost(cost, m, a - 1) < _unit_cost(cost, best, a - 1)):
+      best, best_acc = m, a
+  if best_acc <= 1:
+    return None, 0, 1
+  return best, best_acc - 1, best_acc
+
+
+def _unit_cost(cost: CostModel, method: str, length: int) -> float:
+  return cost.draft(method).time(1, length, 0.0, 0.0)
+
+
+def _step(policy, rows, arrays, cost: CostModel, res: SimResult) -> None:
+  kv = 0
+  lengths = []
+  by_method: dict = collections.defaultdict(lambda: [0, 0])  # method -> [rows, max l]
+  switches = 0
+  commits = []
+  for row in rows:
+    _, prompt_len, _ = arrays[row.index]
+    kv += row.weight * (prompt_len + row.pos)
+    m, length, commit = _choose(policy, row, arrays, cost)
+    lengths.extend([length] * row.weight)
+    commits.append(commit)
+    if m is not None and length > 0:
+      entry = by_method[m]
+      entry[0] += row.weight
+      entry[1] = max(entry[1], length)
+      if policy.kind == "combine" and row.last_method not in (None, m):
+        switches += row.weight
+      row.last_method = m
+  verify = cost.target.time(kv, cost.query_tokens(lengths))
+  draft = sum(cost.draft(m).time(r, length, kv, verify) for m, (r, length) in by_method.items())
+  num_rows = len(lengths)
+  if policy.kind == "ar":
+    overhead = cost.overhead.ar(num_rows)
+  else:
+    overhead = cost.overhead.sd(num_rows, max(lengths))
+  switch = switches * cost.switch_s
+  res.time_s += verify + draft + overhead + switch
+  res.verify_s += verify
+  res.draft_s += draft
+  res.overhead_s += overhead
+  res.switch_s += switch
+  res.num_switches += switches
+  res.num_steps += 1
+  res.row_steps += num_rows
+  res.verified += int(np.sum(np.asarray(lengths) + 1))
+  for row, commit in zip(rows, commits):
+    res.committed += row.weight * commit
+    row.pos += commit
+
+
+def _prefill(rows, arrays, cost: CostModel, kv_running: int, res: SimResult) -> None:
+  prompt = sum(r.weight * arrays[r.index][1] for r in rows)
+  t = cost.target.time(kv_running, prompt) + cost.overhead.ar(sum(r.weight for r in rows))
+  res.time_s += t
+  res.prefill_s += t
+
+
+def _run(policy, arrays, order, cost, batch_size, weight, include_prefill) -> SimResult:
+  res = SimResult()
+  queue = collections.deque(order)
+  running: list[_Row] = []
+  while queue or running:
+    new = []
+    while queue and len(running) + len(new) < batch_size:
+      idx = queue.popleft()
+      new.append(_Row(idx, weight))
+      res.output_tokens += weight * arrays[idx][0]
+    if new:
+      if include_prefill:
+        kv = sum(r.weight * (arrays[r.index][1] + r.pos) for r in running)
+        _prefill(new, arrays, cost, kv, res)
+      running.extend(r for r in new if arrays[r.index][0] > 1)
+    if not running:
+      continue
+    _step(policy, running, arrays, cost, res)
+    running = [r for r in running if r.pos < arrays[r.index][0]]
+  return res
+
+
+def simulate(records, cost: CostModel, policy: Policy, batch_size: int, *,
+             batching: str = "continuous", include_prefill: bool = True) -> dict:
+  """Simulates ``policy`` and AR over ``records`` at ``batch_size``; returns one row.
+
+  Returns:
+    dict with policy, batch_size, tau, speedup (AR time / SD time; ``copies``: mean SD
+    throughput / mean AR throughput), sd/ar times and throughputs, and the SD decode
+    time's shares: verify_share, draft_share, overhead_share, switch_share, plus
+    wasted_verify_share = 1 - committed / verified tokens (unpadded).
+
+  Raises:
+    ValueError: bad batch size or batching, or a trace without a method of the policy.
+  """
+  if batch_size < 1:
+    raise ValueError(f"{batch_size=} must be >= 1")
+  if batching not in ("continuous", "copies"):
+    raise ValueError(f"{batching=} must be 'continuous' or 'copies'")
+  if not records:
+    raise ValueError("records must not be empty")
+  arrays = _trace_arrays(records, policy.methods)
+  ar_policy = Policy(kind="ar")
+  sd, ar = SimResult(), SimResult()
+  if batching == "continuous":
+    order = list(range(len(arrays)))
+    sd = _run(policy, arrays, order, cost, batch_size, 1, include_prefill)
+    ar = _run(ar_policy, arrays, order, cost, batch_size, 1, include_prefill)
+    speedup = ar.time_s / sd.time_s
+  else:
+    sd_tpt, ar_tpt = [], []
+    for idx in range(len(arrays)):
+      s = _run(policy, arrays, [idx], cost, 1, batch_size, include_prefill)
+      a = _run(ar_policy, arrays, [idx], cost, 1, batch_size, include_prefill)
+      sd_tpt.append(s.output_tokens / s.time_s)
+      ar_tpt.append(a.output_tokens / a.time_s)
+      sd.add(s)
+      ar.add(a)
+    speedup = float(np.mean(sd_tpt) / np.mean(ar_tpt))
+  decode = sd.time_s - sd.prefill_s
+  share = (lambda x: x / decode) if decode > 0 else (lambda x: float("nan"))
+  return {
+      "policy": policy.label, "kind": policy.kind, "methods": "+".join(policy.methods),
+      "k": policy.k, "batch_size": batch_size, "batching": batching,
+      "cost_model": cost.name, "tau": sd.tau, "speedup": speedup,
+      "sd_time_s": sd.time_s, "ar_time_s": ar.time_s,
+      "sd_tokens_per_s": sd.output_tokens / sd.time_s,
+      "ar_tokens_per_s": ar.output_tokens / ar.time_s,
+      "sd_steps": sd.num_steps, "ar_steps": ar.num_steps,
+      "mean_sd_step_ms": 1e3 * decode / sd.num_steps if sd.num_steps else float("nan"),
+      "mean_ar_step_ms": (1e3 * (ar.time_s - ar.prefill_s) / ar.num_steps
+                          if ar.num_steps else float("nan")),
+      "verify_share": share(sd.verify_s), "draft_share": share(sd.draft_s),
+      "overhead_share": share(sd.overhead_s), "switch_share": share(sd.switch_s),
+      "num_switches": sd.num_switches,
+      "wasted_verify_share": 1 - sd.committed / sd.verified if sd.verified else float("nan"),
+  }
+
+
+def speedup_table(records, cost: CostModel, policies, batch_sizes, *,
+                  batching: str = "continuous", include_prefill: bool = True):
+  """``simulate`` for every policy and batch size, as a ``pandas.DataFrame``."""
+  import pandas as pd  # noqa: PLC0415
+
+  return pd.DataFrame([simulate(records, cost, p, b, batching=batching,
+                                include_prefill=include_prefill)
+                       for p in policies for b in batch_sizes])
+
+
+def compare_engine_loop(loop, cost: CostModel, *, new_tokens: int = 64):
+  """Simulated vs measured ``benchmarks.engine_loop`` rows (synthetic acceptance 1.0).
+
+  Each row (batch B, context C, L) becomes B requests of C prompt tokens and
+  ``new_tokens`` outputs whose every step commits L + 1 tokens (acc_len = L + 1), run
+  with ``fixed`` k = L (``ar`` for L = 0) at batch B. Returns ``loop``'s columns plus
+  ``sim_step_ms``, ``sim_tau`` and ``step_ratio`` = measured / simulated step time.
+  """
+  from harness.traces import MethodTrace, TraceRecord  # noqa: PLC0415
+
+  out = loop.copy()
+  sim_ms, sim_tau = [], []
+  free = _with_free_draft(cost, "synthetic")
+  for row in loop.itertuples():
+    acc = np.full(new_tokens, row.L + 1, np.int64)
+    recs = [TraceRecord(f"r{i}", [0] * int(row.context), [0] * new_tokens,
+                        {"synthetic": MethodTrace(acc, {})}) for i in range(int(row.batch))]
+    policy = Policy(kind="fixed", methods=("synthetic",), k=max(int(row.L), 1))
+    r = simulate(recs, free, policy, int(row.batch), include_prefill=False)
+    sim_ms.append(r["mean_sd_step_ms"] if row.L else r["mean_ar_step_ms"])
+    sim_tau.append(r["tau"] if row.L else 1.0)
+  out["sim_step_ms"] = sim_ms
+  out["sim_tau"] = sim_tau
+  out["step_ratio"] = out.step_ms / out.sim_step_ms
+  return out
+
+
+def _with_free_draft(cost: CostModel, method: str) -> CostModel:
+  from harness.cost_model import DraftCost  # noqa: PLC0415
+
+  return dataclasses.replace(cost, drafts={**cost.drafts, method: DraftCost()})

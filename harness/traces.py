@@ -1,0 +1,295 @@
+"""Per-position acceptance traces: what a step starting at each output position would
+commit with each method, teacher-forced on the target's own greedy output.
+
+Definition (the seed paper's, SpecDecode-Bench/simulator; methods_reference.md 1.7): for
+a request with prompt p and greedy output g (n tokens), ``acc_len[i]`` (0 <= i < n) is
+the number of tokens a step whose context is ``p + g[:i]`` commits: the accepted drafts
+plus the one recovered/bonus token. Under greedy verification the target's argmax after
+``p + g[:j]`` is g[j], so with draft d the step commits ``1 + LCP(d, g[i:])``, capped at
+``n - i`` (the engine's budget: ``max_tokens - i - 1`` drafts). Position 0 is the
+prefill's token (no engine step starts there); the simulator starts at i = 1.
+
+Method-agnostic: the method's own ``propose`` runs on the teacher-forced context of every
+position (all requests as rows of one batch), then ``observe`` sees the one token g[i]
+committed there, as plain decoding would feed it. Host drafters (n-gram, suffix) and
+device drafters with their own KV (draft model: its paged KV is given one page table per
+request) work unchanged; methods that read target hidden states are refused (the trace
+does not run the target forward per position).
+
+Signals per position (pre-token: known before g[i] is seen):
+  * record level ``signals.match_len[i]``: the longest n <= ``MATCH_CAP`` such that the
+    context's last n tokens occur earlier in it (what prompt lookup / suffix matching
+    keys on);
+  * per method ``draft_len[i]``: drafts it proposed (at ``k_max``);
+  * methods that emit draft probabilities: ``margin[i]`` (top-2 log-probability gap of the
+    draft's first-token distribution at temperature 1 = its top-2 logit margin, nats)
+    and ``entropy[i]`` (nats), from one extra one-token propose at temperature 1.
+
+File format: JSONL, one request a line: ``id``, ``prompt_token_ids``,
+``generated_token_ids``, ``acc_<method>: {"acc_len": [...], "draft_len": [...], ...}``,
+``signals``, ``meta``. The seed's files (``acc_eagle``, ``acc_ngram``) read as methods
+``eagle`` and ``ngram``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+__all__ = ["MATCH_CAP", "MethodTrace", "TraceRecord", "build_traces", "match_lengths",
+           "method_traces",
+           "read_jsonl", "target_greedy_outputs", "write_jsonl"]
+
+MATCH_CAP = 32
+
+
+@dataclasses.dataclass
+class MethodTrace:
+  """One method on one request: ``acc_len i64[n]`` and ``extras`` name -> array[n]."""
+
+  acc_len: np.ndarray
+  extras: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class TraceRecord:
+  """One request's trace: ids, per-method traces, context signals and metadata."""
+
+  request_id: str
+  prompt_token_ids: list
+  generated_token_ids: list
+  methods: dict
+  signals: dict = dataclasses.field(default_factory=dict)
+  meta: dict = dataclasses.field(default_factory=dict)
+
+  def to_json(self) -> dict:
+    d = {"id": str(self.request_id), "prompt_token_ids": [int(t) for t in self.prompt_token_ids],
+         "generated_token_ids": [int(t) for t in self.generated_token_ids]}
+    for name, t in self.methods.items():
+      d[f"acc_{name}"] = {"acc_len": _list(t.acc_len), **{k: _list(v) for k, v in t.extras.items()}}
+    if self.signals:
+      d["signals"] = {k: _list(v) for k, v in self.signals.items()}
+    if self.meta:
+      d["meta"] = self.meta
+    return d
+
+  @classmethod
+  def from_json(cls, d: dict) -> TraceRecord:
+    """Reads this module's records and the seed simulator's.
+
+    Raises:
+      ValueError: missing ids, no ``acc_*`` entry, or an ``acc_len`` whose length is not
+        the output's or with a value < 1.
+    """
+    for key in ("id", "prompt_token_ids", "generated_token_ids"):
+      if key not in d:
+        raise ValueError(f"trace record lacks {key!r}; keys: {sorted(d)}")
+    n = len(d["generated_token_ids"])
+    methods = {}
+    for key, value in d.items():
+      if key.startswith("acc_") and isinstance(value, dict) and "acc_len" in value:
+        name = key[len("acc_"):]
+        acc = np.asarray(value["acc_len"], np.int64)
+        if acc.shape != (n,):
+          raise ValueError(f"request {d['id']!r} {key}.acc_len has {acc.size} entries, must "
+                           f"have one per generated token ({n})")
+        if n and acc.min() < 1:
+          raise ValueError(f"request {d['id']!r} {key}.acc_len has value {int(acc.min())} at "
+                           f"position {int(acc.argmin())}; every entry must be >= 1")
+        extras = {k: np.asarray(v) for k, v in value.items() if k != "acc_len"}
+        methods[name] = MethodTrace(acc, extras)
+    if not methods:
+      raise ValueError(f"request {d['id']!r} has no acc_<method> entry with acc_len")
+    signals = {k: np.asarray(v) for k, v in d.get("signals", {}).items()}
+    return cls(str(d["id"]), list(d["prompt_token_ids"]), list(d["generated_token_ids"]),
+               methods, signals, d.get("meta", {}))
+
+
+def _list(a) -> list:
+  a = np.asarray(a)
+  if np.issubdtype(a.dtype, np.floating):
+    return [float(x) for x in a]
+  return [int(x) for x in a]
+
+
+def write_jsonl(path: str, records) -> None:
+  with open(path, "w") as f:
+    for r in records:
+      f.write(json.dumps(r.to_json()) + "\n")
+
+
+def read_jsonl(path: str) -> list[TraceRecord]:
+  """All records of a JSONL trace file (ours or the seed's)."""
+  with open(path) as f:
+    return [TraceRecord.from_json(json.loads(line)) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------- building traces
+def match_lengths(prompt, generated, cap: int = MATCH_CAP) -> np.ndarray:
+  """``i64[n]``: for context ``prompt + generated[:i]``, the longest n <= ``cap`` whose
+  last-n-token suffix also occurs earlier (0: even the last token is new).
+
+  Example: prompt ``[5, 6, 7]``, generated ``[5, 6]``: i = 0 context [5, 6, 7] -> 0;
+  i = 1 [5, 6, 7, 5] -> 1 ([5] at 0); i = 2 [5, 6, 7, 5, 6] -> 2 ([5, 6] at 0).
+  """
+  seq = np.asarray(list(prompt) + list(generated), np.int64)
+  p = len(prompt)
+  out = np.zeros(len(generated), np.int64)
+  for i in range(len(generated)):
+    ctx = seq[: p + i]
+    best = 0
+    for n in range(1, min(cap, len(ctx) - 1) + 1):
+      windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
+      if not np.any(np.all(windows == ctx[-n:], axis=1)):
+        break  # a longer suffix cannot occur if this one does not
+      best = n
+    out[i] = best
+  return out
+
+
+def target_greedy_outputs(target, requests, engine_config) -> list[list[int]]:
+  """The target's greedy output ids per request (an AR ``specjax.engine.Engine`` run).
+
+  ``requests`` must be greedy (temperature 0).
+  """
+  from methods.ar import AutoRegressive  # noqa: PLC0415
+  from specjax.engine import Engine  # noqa: PLC0415
+
+  for r in requests:
+    if not r.sampling.greedy:
+      raise ValueError(f"request {r.request_id!r} has temperature={r.sampling.temperature}; "
+                       "traces are of greedy outputs (temperature 0)")
+  outs, _ = Engine(target, AutoRegressive(), engine_config).generate(list(requests))
+  return [list(o.output_token_ids) for o in outs]
+
+
+def _signals_from_probs(probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(margin, entropy) in nats of ``f32[R, V]`` distributions."""
+  top2 = -np.sort(-probs, axis=-1)[:, :2]
+  with np.errstate(divide="ignore"):
+    margin = np.log(top2[:, 0]) - np.log(np.maximum(top2[:, 1], 1e-30))
+    logp = np.where(probs > 0, np.log(np.where(probs > 0, probs, 1.0)), 0.0)
+  return margin, -np.sum(probs * logp, axis=-1)
+
+
+def method_traces(method, runtime_models, prompts, outputs, *, k_max: int = 16,
+                  page_size: int = 16, attention_implementation="reference",
+                  seed: int = 0) -> list[MethodTrace]:
+  """Teacher-forced trace of ``method`` (built with k = ``k_max``) for every request.
+
+  Args:
+    method: a ``specjax.method.Method`` whose ``num_speculative_tokens`` >= ``k_max``.
+    runtime_models: ``(target, draft)`` split models (``specjax.steps.SplitModel``); the
+      draft may be None for methods without one.
+    prompts, outputs: per request, prompt ids and the target's greedy output ids.
+
+  Returns:
+    One ``MethodTrace`` per request (``acc_len``, ``draft_len``; ``margin`` and
+    ``entropy`` when the method emits draft probabilities).
+
+  Raises:
+    ValueError: the method reads target hidden states, or its k is below ``k_max``.
+  """
+  from specjax.method import ProposeContext, RuntimeInfo, VerifyResult  # noqa: PLC0415
+  from specjax.sampling import request_key  # noqa: PLC0415
+
+  caps = method.capabilities()
+  if caps.target_hidden_layers:
+    raise ValueError(f"method {method.name!r} reads target hidden states "
+                     f"{caps.target_hidden_layers}; teacher-forced traces run no target "
+                     "forward per position, so such methods are not supported")
+  if method.num_speculative_tokens < k_max:
+    raise ValueError(f"method {method.name!r} has k={method.num_speculative_tokens}, must be "
+                     f">= {k_max=}")
+  num = len(prompts)
+  longest = max(len(p) + len(o) for p, o in zip(prompts, outputs))
+  pages_per_seq = math.ceil((longest + k_max + 2) / page_size)
+  target, draft = runtime_models
+  runtime = RuntimeInfo(target=target, draft=draft, num_pages=num * pages_per_seq,
+                        page_size=page_size, max_model_len=pages_per_seq * page_size,
+                        attention_implementation=attention_implementation)
+  tables = np.arange(num * pages_per_seq, dtype=np.int32).reshape(num, pages_per_seq)
+  keys = np.stack([np.asarray(request_key(seed + r), np.uint32) for r in range(num)])
+  rids = [f"trace{r}" for r in range(num)]
+  acc = [np.ones(len(o), np.int64) for o in outputs]
+  draft_len = [np.zeros(len(o), np.int64) for o in outputs]
+  with_probs = caps.emits_draft_probs
+  margin = [np.full(len(o), np.nan) for o in outputs]
+  entropy = [np.full(len(o), np.nan) for o in outputs]
+  state = method.init_state(runtime)
+  seen: set = set()
+  for i in range(max((len(o) for o in outputs), default=0)):
+    active = [r for r in range(num) if i < len(outputs[r])]
+    rows = len(active)
+
+    def context(temperature, budget, active=active, rows=rows, i=i):
+      table = np.full((num, pages_per_seq), -1, np.int32)
+      table[:rows] = tables[active]
+      pad = np.zeros((num, 2), np.uint32)
+      pad[:rows] = keys[active]
+      ids = [rids[r] for r in active]
+      return ProposeContext(
+          request_ids=ids,
+          token_ids=[np.asarray(list(prompts[r]) + list(outputs[r][:i]), np.int32)
+                     for r in active],
+          budgets=np.full(rows, budget, np.int32), page_indices=table,
+          temperature=np.full(num, temperature, np.float32), top_k=np.zeros(num, np.int32),
+          top_p=np.ones(num, np.float32), keys=pad,
+          new_requests=frozenset(x for x in ids if x not in seen))
+
+    if with_probs:
+      state, d = method.propose(state, context(1.0, 1))
+      seen.update(rids[r] for r in active)
+      if d.probs is not None:
+        m, e = _signals_from_probs(np.asarray(d.probs, np.float32)[:rows, 0])
+        for j, r in enumerate(active):
+          margin[r][i], entropy[r][i] = m[j], e[j]
+    state, d = method.propose(state, context(0.0, k_max))
+    seen.update(rids[r] for r in active)
+    tokens = np.asarray(d.tokens)
+    counts = np.minimum(np.asarray(d.num_tokens)[:rows], k_max)
+    for j, r in enumerate(active):
+      proposal = tokens[j, : counts[j]]
+      truth = np.asarray(outputs[r][i: i + len(proposal)])
+      match = proposal[: len(truth)] == truth
+      lcp = len(match) if match.all() else int(np.argmin(match))
+      acc[r][i] = min(1 + lcp, len(outputs[r]) - i)
+      draft_len[r][i] = counts[j]
+    state = method.observe(state, VerifyResult(
+        request_ids=[rids[r] for r in active], num_accepted=np.zeros(rows, np.int32),
+        emitted=[[int(outputs[r][i])] for r in active],
+        finished=frozenset(rids[r] for r in active if i == len(outputs[r]) - 1)))
+  out = []
+  for r in range(num):
+    extras = {"draft_len": draft_len[r]}
+    if with_probs and not np.all(np.isnan(margin[r])):
+      extras.update(margin=margin[r], entropy=entropy[r])
+    out.append(MethodTrace(acc[r], extras))
+  return out
+
+
+def build_traces(target, draft, requests, methods: dict, engine_config, *, k_max: int = 16,
+                 seed: int = 0, meta: dict | None = None) -> list[TraceRecord]:
+  """Greedy outputs of ``target`` for ``requests`` and every method's trace.
+
+  Args:
+    target, draft: split models (``draft`` None if no method needs one).
+    requests: greedy ``specjax.request.Request`` objects.
+    methods: label -> method (built with k >= ``k_max``); the label names ``acc_<label>``.
+    engine_config: the AR run's ``specjax.config.EngineConfig``.
+  """
+  outputs = target_greedy_outputs(target, requests, engine_config)
+  prompts = [list(r.prompt_token_ids) for r in requests]
+  per_method = {label: method_traces(m, (target, draft), prompts, outputs, k_max=k_max,
+                                     page_size=engine_config.page_size,
+                                     attention_implementation=
+                                     engine_config.attention_implementation, seed=seed)
+                for label, m in methods.items()}
+  return [TraceRecord(r.request_id, prompts[i], outputs[i],
+                      {label: per_method[label][i] for label in methods},
+                      {"match_len": match_lengths(prompts[i], outputs[i])},
+                      {"k_max": k_max, **(meta or {})})
+          for i, r in enumerate(requests)]
