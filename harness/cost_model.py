@@ -113,6 +113,9 @@ class CostModel:
     overhead: ``OverheadCost``.
     switch_s: cost per row that changes method between steps (oracle combinations).
     query_padding: "ragged" (q = sum of l_r + 1) or "engine" (padded buckets).
+    prefill_emits_token: True if the prefill forward samples output token 0 (vLLM, the
+      seed: decoding starts at position 1); False for ``specjax.engine``, whose prefill
+      leaves the last prompt token pending, so the first decode step makes token 0.
     meta: device, versions, sources and fit statistics (free-form, JSON).
   """
 
@@ -122,6 +125,7 @@ class CostModel:
   overhead: OverheadCost
   switch_s: float = 0.0
   query_padding: str = "ragged"
+  prefill_emits_token: bool = True
   meta: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -158,7 +162,8 @@ class CostModel:
     return cls(name=d["name"], target=TargetCost(**d["target"]),
                drafts={k: DraftCost(**v) for k, v in d["drafts"].items()},
                overhead=OverheadCost(**d["overhead"]), switch_s=d.get("switch_s", 0.0),
-               query_padding=d.get("query_padding", "ragged"), meta=d.get("meta", {}))
+               query_padding=d.get("query_padding", "ragged"),
+               prefill_emits_token=d.get("prefill_emits_token", True), meta=d.get("meta", {}))
 
 
 _SEED_EAGLE = DraftCost(fixed_s=2.13526175e-3 + 8.41429603e-7, per_step_s=8.41429603e-7,
@@ -280,7 +285,8 @@ def fit(engine_loop_frames, eval_frames=(), *, new_tokens: int = 64, name: str =
       "python": platform.python_version(),
   }
   return CostModel(name=name, target=target, drafts=drafts, overhead=overhead,
-                   switch_s=switch_s, query_padding="engine", meta=meta)
+                   switch_s=switch_s, query_padding="engine", prefill_emits_token=False,
+                   meta=meta)
 
 
 def _fit_draft(g) -> tuple[DraftCost, dict]:

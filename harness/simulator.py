@@ -4,8 +4,10 @@ simulator, SpecDecode-Bench/simulator; methods_reference.md 1.7).
 Inputs are acceptance traces (``harness.traces``: per request, ``acc_len[m][i]`` = tokens a
 step starting at output position i commits with method m, i.e. accepted drafts + 1) and a
 ``harness.cost_model.CostModel``. A step starting at position i (i output tokens
-committed; the prefill made token 0, so decoding starts at i = 1) with ``l`` drafts
-commits ``min(acc_len[i], l + 1)`` tokens. Policies, per row and step:
+committed) with ``l`` drafts commits ``min(acc_len[i], l + 1)`` tokens. Decoding starts at i = 1 when the prefill
+makes token 0 (``CostModel.prefill_emits_token``: vLLM, the seed) and at i = 0 for
+``specjax.engine`` (its prefill leaves the last prompt token pending). Policies, per row
+and step:
 
   * ``ar``: l = 0 (the baseline; plain-decoding overhead, no draft cost).
   * ``fixed`` (method m, k): l = min(k, n - i - 1, draft_len[m][i]) where the trace has
@@ -40,7 +42,8 @@ import numpy as np
 
 from harness.cost_model import CostModel
 
-__all__ = ["Policy", "SimResult", "compare_engine_loop", "simulate", "speedup_table"]
+__all__ = ["BoundsConfig", "Policy", "SimResult", "compare_engine_loop", "run_bounds", "simulate",
+           "speedup_table"]
 
 POLICIES = ("ar", "fixed", "oracle", "combine")
 
@@ -113,7 +116,7 @@ class SimResult:
 class _Row:
   index: int  # request index
   weight: int  # identical copies this row stands for
-  pos: int = 1
+  pos: int  # output tokens committed
   last_method: str | None = None
 
 
@@ -215,19 +218,20 @@ def _prefill(rows, arrays, cost: CostModel, kv_running: int, res: SimResult) -> 
 
 def _run(policy, arrays, order, cost, batch_size, weight, include_prefill) -> SimResult:
   res = SimResult()
+  start = 1 if cost.prefill_emits_token else 0
   queue = collections.deque(order)
   running: list[_Row] = []
   while queue or running:
     new = []
     while queue and len(running) + len(new) < batch_size:
       idx = queue.popleft()
-      new.append(_Row(idx, weight))
+      new.append(_Row(idx, weight, start))
       res.output_tokens += weight * arrays[idx][0]
     if new:
       if include_prefill:
         kv = sum(r.weight * (arrays[r.index][1] + r.pos) for r in running)
         _prefill(new, arrays, cost, kv, res)
-      running.extend(r for r in new if arrays[r.index][0] > 1)
+      running.extend(r for r in new if arrays[r.index][0] > start)
     if not running:
       continue
     _step(policy, running, arrays, cost, res)
@@ -333,3 +337,80 @@ def _with_free_draft(cost: CostModel, method: str) -> CostModel:
   from harness.cost_model import DraftCost  # noqa: PLC0415
 
   return dataclasses.replace(cost, drafts={**cost.drafts, method: DraftCost()})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BoundsConfig:
+  """What ``run_bounds`` simulates (``experiments/simulate_bounds.py`` flags).
+
+  Attributes:
+    traces: JSONL trace files (``harness.traces`` or the seed's).
+    cost_model: a ``harness.cost_model`` preset name or a JSON file.
+    methods: trace methods to simulate (empty: every method of the first file).
+    fixed_k: draft lengths of the ``fixed`` policy.
+    oracle: also simulate ``oracle`` per method; combine: the oracle combination of all
+      ``methods`` (when there are at least two).
+    batch_sizes, batching, include_prefill: as ``simulate``.
+    switch_cost_ms: per-row method switch cost (overrides the cost model's when set).
+    method_costs: (trace method, cost-model method) pairs: charge a trace method with
+      another method's draft cost (e.g. ``draft_model`` with a preset's ``eagle``).
+    num_requests: simulate the first n requests of each file (0 = all).
+  """
+
+  traces: tuple[str, ...]
+  cost_model: str = "seed-llama8b-h100"
+  methods: tuple[str, ...] = ()
+  fixed_k: tuple[int, ...] = (1, 3, 5)
+  oracle: bool = True
+  combine: bool = True
+  batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+  batching: str = "continuous"
+  include_prefill: bool = True
+  switch_cost_ms: float | None = None
+  method_costs: tuple[tuple[str, str], ...] = ()
+  num_requests: int = 0
+
+  def __post_init__(self):
+    if not self.traces:
+      raise ValueError("traces must name at least one JSONL file")
+    if any(k < 1 for k in self.fixed_k):
+      raise ValueError(f"fixed_k={self.fixed_k} must all be >= 1")
+    if self.num_requests < 0:
+      raise ValueError(f"num_requests={self.num_requests} must be >= 0")
+
+
+def run_bounds(cfg: BoundsConfig):
+  """Speedup bounds for every trace file, policy and batch size (a DataFrame)."""
+  import os  # noqa: PLC0415
+
+  import pandas as pd  # noqa: PLC0415
+
+  from harness import cost_model as cm  # noqa: PLC0415
+  from harness.traces import read_jsonl  # noqa: PLC0415
+
+  cost = cm.load(cfg.cost_model)
+  if cfg.switch_cost_ms is not None:
+    cost = cost.with_switch(cfg.switch_cost_ms / 1e3)
+  if cfg.method_costs:
+    drafts = dict(cost.drafts)
+    for trace_method, cost_method in cfg.method_costs:
+      drafts[trace_method] = cost.draft(cost_method)
+    cost = dataclasses.replace(cost, drafts=drafts)
+  frames = []
+  for path in cfg.traces:
+    records = read_jsonl(path)
+    if cfg.num_requests:
+      records = records[: cfg.num_requests]
+    methods = cfg.methods or tuple(records[0].methods)
+    policies = [Policy(kind="fixed", methods=(m,), k=k) for m in methods for k in cfg.fixed_k]
+    if cfg.oracle:
+      policies += [Policy(kind="oracle", methods=(m,)) for m in methods]
+    if cfg.combine and len(methods) > 1:
+      policies.append(Policy(kind="combine", methods=tuple(methods)))
+    df = speedup_table(records, cost, policies, cfg.batch_sizes, batching=cfg.batching,
+                       include_prefill=cfg.include_prefill)
+    df.insert(0, "traces", os.path.basename(path))
+    df["num_requests"] = len(records)
+    df["switch_cost_ms"] = 1e3 * cost.switch_s
+    frames.append(df)
+  return pd.concat(frames, ignore_index=True)
