@@ -39,8 +39,8 @@ import math
 
 import numpy as np
 
-__all__ = ["MATCH_CAP", "MethodTrace", "TraceRecord", "build_traces", "match_lengths",
-           "method_traces",
+__all__ = ["MATCH_CAP", "MethodTrace", "TraceConfig", "TraceRecord", "build_traces",
+           "match_lengths", "method_traces", "run_traces",
            "read_jsonl", "target_greedy_outputs", "write_jsonl"]
 
 MATCH_CAP = 32
@@ -150,10 +150,12 @@ def match_lengths(prompt, generated, cap: int = MATCH_CAP) -> np.ndarray:
   return out
 
 
-def target_greedy_outputs(target, requests, engine_config) -> list[list[int]]:
+def target_greedy_outputs(target, requests, engine_config, eos_token_ids=()
+                          ) -> list[list[int]]:
   """The target's greedy output ids per request (an AR ``specjax.engine.Engine`` run).
 
-  ``requests`` must be greedy (temperature 0).
+  Raises:
+    ValueError: a request that is not greedy.
   """
   from methods.ar import AutoRegressive  # noqa: PLC0415
   from specjax.engine import Engine  # noqa: PLC0415
@@ -162,7 +164,8 @@ def target_greedy_outputs(target, requests, engine_config) -> list[list[int]]:
     if not r.sampling.greedy:
       raise ValueError(f"request {r.request_id!r} has temperature={r.sampling.temperature}; "
                        "traces are of greedy outputs (temperature 0)")
-  outs, _ = Engine(target, AutoRegressive(), engine_config).generate(list(requests))
+  outs, _ = Engine(target, AutoRegressive(), engine_config,
+                   eos_token_ids=eos_token_ids).generate(list(requests))
   return [list(o.output_token_ids) for o in outs]
 
 
@@ -272,7 +275,8 @@ def method_traces(method, runtime_models, prompts, outputs, *, k_max: int = 16,
 
 
 def build_traces(target, draft, requests, methods: dict, engine_config, *, k_max: int = 16,
-                 seed: int = 0, meta: dict | None = None) -> list[TraceRecord]:
+                 seed: int = 0, meta: dict | None = None, eos_token_ids=()
+                 ) -> list[TraceRecord]:
   """Greedy outputs of ``target`` for ``requests`` and every method's trace.
 
   Args:
@@ -280,8 +284,9 @@ def build_traces(target, draft, requests, methods: dict, engine_config, *, k_max
     requests: greedy ``specjax.request.Request`` objects.
     methods: label -> method (built with k >= ``k_max``); the label names ``acc_<label>``.
     engine_config: the AR run's ``specjax.config.EngineConfig``.
+    eos_token_ids: the target's EOS ids (end the greedy outputs as in the engine).
   """
-  outputs = target_greedy_outputs(target, requests, engine_config)
+  outputs = target_greedy_outputs(target, requests, engine_config, eos_token_ids)
   prompts = [list(r.prompt_token_ids) for r in requests]
   per_method = {label: method_traces(m, (target, draft), prompts, outputs, k_max=k_max,
                                      page_size=engine_config.page_size,
@@ -293,3 +298,96 @@ def build_traces(target, draft, requests, methods: dict, engine_config, *, k_max
                       {"match_len": match_lengths(prompts[i], outputs[i])},
                       {"k_max": k_max, **(meta or {})})
           for i, r in enumerate(requests)]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TraceConfig:
+  """One trace file: a target, a workload and methods (``experiments/trace_acceptance``).
+
+  Attributes:
+    target, draft: ``models.zoo`` names or paths (``draft`` only if a method needs it).
+    methods: ``methods.registry`` names, each built with k = ``k_max``.
+    method_options: name -> extra config fields (as ``harness.evaluation``).
+    dataset, num_prompts, categories, input_len, seed: the workload
+      (``specjax.workloads``; ``input_len`` for ``dataset="random"``).
+    max_new_tokens: output tokens per request (EOS may end it earlier).
+    k_max: the most drafts per traced step.
+    batch_size: rows of the AR run that makes the greedy outputs.
+    dtype, chat_template, page_size, attention_implementation: as the evaluation's.
+    output_dir: the JSONL goes to ``output_dir/traces_<target>_<dataset>.jsonl``.
+  """
+
+  target: str
+  draft: str | None = None
+  methods: tuple[str, ...] = ("ngram",)
+  method_options: dict = dataclasses.field(default_factory=dict)
+  dataset: str = "spec_bench"
+  num_prompts: int = 24
+  categories: tuple[str, ...] | None = None
+  input_len: int = 0
+  seed: int = 0
+  max_new_tokens: int = 256
+  k_max: int = 16
+  batch_size: int = 8
+  dtype: str = "bfloat16"
+  chat_template: bool = True
+  page_size: int = 16
+  attention_implementation: str = "reference"
+  output_dir: str = "results/traces"
+
+  def __post_init__(self):
+    if self.k_max < 1:
+      raise ValueError(f"k_max={self.k_max} must be >= 1")
+    if not self.methods:
+      raise ValueError("methods must name at least one method")
+    if "ar" in self.methods:
+      raise ValueError("methods must not include 'ar' (it drafts nothing)")
+    if self.num_prompts < 1 or self.max_new_tokens < 1 or self.batch_size < 1:
+      raise ValueError(f"num_prompts={self.num_prompts}, max_new_tokens="
+                       f"{self.max_new_tokens}, batch_size={self.batch_size} must be >= 1")
+
+
+def run_traces(cfg: TraceConfig) -> str:
+  """Builds and writes the trace file of ``cfg``; returns its path."""
+  import os  # noqa: PLC0415
+
+  import jax  # noqa: PLC0415
+
+  from harness.evaluation import _make_method, load_model  # noqa: PLC0415
+  from specjax.config import EngineConfig, SamplingParams  # noqa: PLC0415
+  from specjax.request import Request  # noqa: PLC0415
+  from specjax.steps import split_model  # noqa: PLC0415
+  from specjax.workloads import load_prompts, random_prompts, tokenize_prompts  # noqa: PLC0415
+
+  methods = {name: _make_method(name, cfg.k_max, cfg.method_options.get(name, {}))
+             for name in cfg.methods}
+  needs_draft = [n for n, m in methods.items() if m.capabilities().needs_draft_model]
+  if needs_draft and cfg.draft is None:
+    raise ValueError(f"methods {needs_draft} need a draft model, but draft=None")
+  target = load_model(cfg.target, cfg.dtype)
+  draft = load_model(cfg.draft, cfg.dtype) if needs_draft else None
+  tokenizer = target.tokenizer
+  if cfg.dataset == "random":
+    prompts = random_prompts(cfg.num_prompts, cfg.input_len, target.config.vocab_size, cfg.seed)
+  else:
+    prompts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.categories, cfg.seed)
+  prompt_ids = tokenize_prompts(prompts, tokenizer, chat_template=cfg.chat_template)
+  sampling = SamplingParams(max_tokens=cfg.max_new_tokens, ignore_eos=tokenizer is None)
+  requests = [Request(p.id, ids, sampling) for p, ids in zip(prompts, prompt_ids)]
+  longest = max(len(ids) for ids in prompt_ids) + cfg.max_new_tokens + cfg.k_max + 2
+  engine_cfg = EngineConfig(max_num_seqs=cfg.batch_size, max_model_len=longest,
+                            page_size=cfg.page_size,
+                            attention_implementation=cfg.attention_implementation)
+  eos = () if tokenizer is None else tokenizer.eos_token_ids
+  target_split = split_model(target.model)
+  draft_split = split_model(draft.model) if draft is not None else None
+  meta = {"target": cfg.target, "draft": cfg.draft, "dataset": cfg.dataset, "dtype": cfg.dtype,
+          "device": jax.devices()[0].device_kind, "jax_version": jax.__version__,
+          "methods": {n: m.describe() for n, m in methods.items()}}
+  records = build_traces(target_split, draft_split, requests, methods, engine_cfg,
+                         k_max=cfg.k_max, seed=cfg.seed, meta=meta, eos_token_ids=eos)
+  os.makedirs(cfg.output_dir, exist_ok=True)
+  name = os.path.basename(cfg.target.rstrip("/")).replace(":", "-")
+  path = os.path.join(cfg.output_dir, f"traces_{name}_{cfg.dataset}.jsonl")
+  write_jsonl(path, records)
+  return path

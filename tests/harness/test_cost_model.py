@@ -1,0 +1,67 @@
+"""Cost-model fit: timings made from known coefficients are fitted back exactly."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from harness import cost_model
+
+
+def _loop_frame():
+  # target = 4 ms + 0.01 ms per query token + 1e-4 ms per KV token; host (step - device):
+  # AR 0.1 ms + 0.002 ms per row, SD 2 ms + 0.03 ms per row + 0.008 ms per row x L.
+  rows = []
+  for batch in (1, 4, 16, 64):
+    for context in (512, 4096):
+      for length in (0, 1, 2, 4, 8):
+        kv = batch * (context + 64 / 2)
+        device = 4.0 + 0.01 * batch * (length + 1) + 1e-4 * kv
+        host = 0.1 + 0.002 * batch if length == 0 else 2.0 + 0.03 * batch + 0.008 * batch * length
+        rows.append(dict(target="llama3-8b", dtype="bfloat16", batch=batch, context=context,
+                         L=length, step_ms=device + host, device_ms=device, device="NVIDIA H200",
+                         backend="gpu", jax_version="0.11.2", attention_implementation="reference"))
+  return pd.DataFrame(rows)
+
+
+def _eval_frame():
+  # ngram: 0.05 ms + 0.01 ms per row (k fixed); draft_model: one point, 5 drafts, 20 ms.
+  rows = [dict(method="ar", batch_size=1, k=0, draft_ms=0.01, model="m", device="d")]
+  rows += [dict(method="ngram", batch_size=b, k=4, draft_ms=0.05 + 0.01 * b, model="m",
+                device="d") for b in (1, 4, 16)]
+  rows.append(dict(method="draft_model", batch_size=1, k=5, draft_ms=20.0, model="m",
+                   draft="d0", device="d"))
+  return pd.DataFrame(rows)
+
+
+def test_fit_recovers_coefficients(tmp_path):
+  model = cost_model.fit([_loop_frame()], [_eval_frame()], new_tokens=64, name="t")
+  assert model.target.fixed_s == pytest.approx(4e-3, rel=1e-6)
+  assert model.target.per_query_token_s == pytest.approx(1e-5, rel=1e-6)
+  assert model.target.per_kv_token_s == pytest.approx(1e-7, rel=1e-6)
+  o = model.overhead
+  assert (o.ar_step_s, o.ar_per_row_s) == pytest.approx((1e-4, 2e-6), rel=1e-6)
+  assert (o.sd_step_s, o.sd_per_row_s, o.sd_per_row_token_s) == pytest.approx(
+      (2e-3, 3e-5, 8e-6), rel=1e-6)
+  assert model.draft("ngram").time(8, 4, 0, 0) == pytest.approx((0.05 + 0.08) * 1e-3)
+  # One point: time proportional to the draft length (4 ms per draft position).
+  assert model.draft("draft_model").per_step_s == pytest.approx(4e-3)
+  assert "ar" not in model.drafts
+  assert model.query_padding == "engine" and not model.prefill_emits_token
+  assert model.meta["device"] == "NVIDIA H200" and model.meta["jax_version"] == "0.11.2"
+  assert model.meta["fit"]["target"]["max_abs_rel_error"] < 1e-9
+  path = tmp_path / "m.json"
+  path.write_text(model.to_json())
+  assert cost_model.load(str(path)) == model
+  assert json.loads(path.read_text())["meta"]["target"] == "llama3-8b"
+
+
+def test_fit_errors():
+  frame = _loop_frame()
+  with pytest.raises(ValueError, match="finite device_ms"):
+    cost_model.fit([frame.assign(device_ms=np.nan)])
+  with pytest.raises(ValueError, match="one target and dtype"):
+    cost_model.fit([frame, frame.assign(target="other")])
+  with pytest.raises(ValueError, match="must be a preset"):
+    cost_model.load("no-such-model")
