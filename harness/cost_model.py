@@ -33,7 +33,8 @@ Two sources:
     project's own timings: ``benchmarks.engine_loop`` CSVs (target forward from the
     profiled ``device_ms``; overheads from ``step_ms - device_ms`` of AR rows, L = 0,
     and SD rows) and ``harness.evaluation`` ``results.csv`` files (per-method
-    ``draft_ms`` against ``batch_size`` and ``k``). The JSON records the device, JAX
+    ``draft_ms`` against ``batch_size`` and ``k``); the target's query tokens are the
+    engine's padded ``bucket(B) * (bucket(L) + 1)``. The JSON records the device, JAX
     version, dtype, target and files it came from, and per-part fit errors.
 """
 
@@ -245,7 +246,9 @@ def fit(engine_loop_frames, eval_frames=(), *, new_tokens: int = 64, name: str =
   batch = loop.batch.to_numpy(float)
   length = loop.L.to_numpy(float)
   kv = batch * (loop.context.to_numpy(float) + new_tokens / 2)
-  q = batch * (length + 1)
+  # The engine verifies a padded [bucket(B), bucket(L) + 1] block (query_padding="engine").
+  q = np.asarray([_bucket(int(b)) * (_bucket(int(v)) + 1) for b, v in zip(batch, length)],
+                 float)
   device_s = loop.device_ms.to_numpy(float) / 1e3
   ones = np.ones_like(batch)
   coef, target_stats = _nnls(np.stack([ones, q, kv], 1), device_s)
