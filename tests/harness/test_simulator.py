@@ -157,3 +157,20 @@ def test_bad_policies():
     sim([A], Policy(kind="oracle", methods=("c",)))
   with pytest.raises(ValueError, match="batch_size=0 must be >= 1"):
     sim([A], Policy(kind="oracle", methods=("a",)), batch=0)
+
+
+def test_compare_engine_loop_rows():
+  # Engine-loop row batch 2, context 10, L 1 (acc 2 everywhere), 4 new tokens, decoding
+  # from position 0 (specjax): pos 0 -> 2 -> 4, two steps of q = 2 x 2 = 4 tokens:
+  # 10 + 4 + 1 (SD overhead) = 15 ms; the L = 0 row: AR steps of 10 + 2 + 0.5 = 12.5 ms.
+  import pandas as pd
+
+  cost = CostModel(name="c", target=COST.target, drafts={},
+                   overhead=OverheadCost(ar_step_s=0.5 * MS, sd_step_s=1 * MS),
+                   prefill_emits_token=False)
+  loop = pd.DataFrame([dict(batch=2, context=10, L=1, step_ms=30.0, tau=2.0),
+                       dict(batch=2, context=10, L=0, step_ms=12.5, tau=1.0)])
+  out = simulator.compare_engine_loop(loop, cost, new_tokens=4)
+  assert out.sim_step_ms.tolist() == pytest.approx([15.0, 12.5])
+  assert out.sim_tau.tolist() == [2.0, 1.0]
+  assert out.step_ratio.tolist() == pytest.approx([2.0, 1.0])
