@@ -10,6 +10,7 @@ from methods.hsddw import HSDDW
 from methods.medusa import Medusa
 from methods.mtp import MTP
 from methods.ngram import NGram
+from methods.verify_skip import VerifySkip
 from specjax.method import Method
 
 __all__ = ["METHODS", "make_method"]
@@ -23,6 +24,7 @@ METHODS: dict[str, type[Method]] = {
     "mtp": MTP,
     "medusa": Medusa,
     "hsddw": HSDDW,
+    "verify_skip": VerifySkip,
 }
 
 

@@ -33,7 +33,7 @@ from specjax.tree import chain_parents
 __all__ = [
     "ALPHABET", "ENGINE_CONFIG", "K", "MAX_MODEL_LEN", "PAGE_SIZE", "ChainAsTree",
     "ScriptedDrafter", "ScriptedTreeDrafter", "VOCAB", "build_model", "check_counters",
-    "decode", "expected_counts", "full_logits", "greedy_reference", "make_requests",
+    "decode", "expected_counts", "full_logits", "top_k_joint", "greedy_reference", "make_requests",
     "model_config", "scripted_drafter", "scripted_tree", "walk_tree",
 ]
 
@@ -149,6 +149,26 @@ def full_logits(model: SplitModel, sequences) -> np.ndarray:
       lengths[i] = len(s)
     res.append(np.asarray(_last_logits(model.graphdef, model.params, tokens, lengths))[: len(chunk)])
   return np.concatenate(res)
+
+
+def top_k_joint(model: SplitModel, prompt, temperature: float, top_k: int,
+                num_tokens: int) -> dict:
+  """``{tokens tuple: p}`` over the top-k support of the first ``num_tokens`` sampled
+  tokens after ``prompt`` (temperature, then top-k; exact, from the uncached forward)."""
+  def probs(logits):
+    z = logits / temperature
+    kth = np.sort(z, axis=-1)[..., -top_k][..., None]
+    z = np.where(z >= kth, z, -np.inf)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+  joint = {(): 1.0}
+  for _ in range(num_tokens):
+    prefixes = list(joint)
+    rows = probs(full_logits(model, [[*prompt, *c] for c in prefixes]))
+    joint = {(*c, int(t)): joint[c] * row[t] for c, row in zip(prefixes, rows)
+             for t in np.flatnonzero(row)}
+  return joint
 
 
 def greedy_reference(model: SplitModel, requests, eos_ids=()) -> list[list[int]]:

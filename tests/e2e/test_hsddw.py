@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from e2e_lib import ENGINE_CONFIG, K, check_counters, full_logits, make_requests
+from e2e_lib import ENGINE_CONFIG, K, check_counters, full_logits, make_requests, top_k_joint
 from e2e_lib import scripted_drafter as make_scripted
 
 from methods.hsddw import HSDDW, HSDDWState, updated_threshold
@@ -184,27 +184,10 @@ class TableDrafter(Method):
     return state, Draft(tokens, num)
 
 
-def _probs(logits):
-  z = logits / TEMPERATURE
-  kth = np.sort(z, axis=-1)[..., -TOP_K][..., None]
-  z = np.where(z >= kth, z, -np.inf)
-  e = np.exp(z - z.max(-1, keepdims=True))
-  return e / e.sum(-1, keepdims=True)
-
-
 def test_three_token_distribution_matches_target(make_engine, target):
   """Three sampled tokens per request (step 1 drafts 2: M1's 2 tokens screened by M2)."""
-  p1 = _probs(full_logits(target, [list(DIST_PROMPT)])[0])
-  top1 = np.flatnonzero(p1)
-  p2 = _probs(full_logits(target, [[*DIST_PROMPT, x] for x in top1]))
-  seqs = [[*DIST_PROMPT, x, y] for x, row in zip(top1, p2) for y in np.flatnonzero(row)]
-  p3 = _probs(full_logits(target, seqs))
-  expected = {}
-  for (x, row2), j in zip(zip(top1, p2), range(len(top1))):
-    for y_i, y in enumerate(np.flatnonzero(row2)):
-      row3 = p3[j * TOP_K + y_i]
-      for z in np.flatnonzero(row3):
-        expected[(int(x), int(y), int(z))] = p1[x] * row2[y] * row3[z]
+  expected = top_k_joint(target, DIST_PROMPT, TEMPERATURE, TOP_K, 3)
+  p1 = full_logits(target, [list(DIST_PROMPT)])[0]
   g1 = int(np.argmax(p1))
   g2 = int(np.argmax(full_logits(target, [[*DIST_PROMPT, g1]])[0]))
   table = ((DIST_PROMPT, (g1, g2)),)
