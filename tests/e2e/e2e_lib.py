@@ -32,7 +32,7 @@ from specjax.tree import chain_parents
 
 __all__ = [
     "ALPHABET", "ENGINE_CONFIG", "K", "MAX_MODEL_LEN", "PAGE_SIZE", "ChainAsTree",
-    "ScriptedDrafter", "ScriptedTreeDrafter", "VOCAB", "build_model", "check_counters",
+    "ScriptedDrafter", "ScriptedTreeDrafter", "TableDrafter", "VOCAB", "build_model", "check_counters",
     "decode", "expected_counts", "full_logits", "top_k_joint", "greedy_reference", "make_requests",
     "model_config", "scripted_drafter", "scripted_tree", "walk_tree",
 ]
@@ -231,6 +231,29 @@ class ScriptedDrafter(Method):
       draft += [(cont[done + j] + 1) % VOCAB for j in range(right, budget)]
       tokens[i, :budget] = draft
       num[i] = budget
+    return state, Draft(tokens, num)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableDrafter(Method):
+  """Host M1 proposing fixed continuations of known contexts (none elsewhere)."""
+
+  name = "table"
+  k: int = K
+  table: tuple = ()  # ((context tuple, tokens tuple), ...)
+
+  @property
+  def num_speculative_tokens(self):
+    return self.k
+
+  def propose(self, state, ctx):
+    lookup = dict(self.table)
+    rows = len(ctx.request_ids)
+    tokens = np.full((rows, self.k), -1, np.int32)
+    num = np.zeros(rows, np.int32)
+    for i, seq in enumerate(ctx.token_ids):
+      d = lookup.get(tuple(int(t) for t in seq), ())[: int(ctx.budgets[i])]
+      tokens[i, : len(d)], num[i] = d, len(d)
     return state, Draft(tokens, num)
 
 

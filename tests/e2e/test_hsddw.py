@@ -11,7 +11,15 @@ import dataclasses
 
 import numpy as np
 import pytest
-from e2e_lib import ENGINE_CONFIG, K, check_counters, full_logits, make_requests, top_k_joint
+from e2e_lib import (
+    ENGINE_CONFIG,
+    K,
+    TableDrafter,
+    check_counters,
+    full_logits,
+    make_requests,
+    top_k_joint,
+)
 from e2e_lib import scripted_drafter as make_scripted
 
 from methods.hsddw import HSDDW, HSDDWState, updated_threshold
@@ -19,7 +27,7 @@ from methods.registry import make_method
 from models.testing import chi_square_pvalue
 from specjax.config import SamplingParams
 from specjax.engine import Engine
-from specjax.method import Draft, Method, VerifyResult
+from specjax.method import VerifyResult
 from specjax.request import Request
 
 THRESHOLD = 2.6
@@ -159,29 +167,6 @@ def test_seeded_request_ignores_partners(make_engine):
 DIST_PROMPT = (7, 21, 3, 30, 12)
 TEMPERATURE, TOP_K = 1.5, 3
 NUM_SAMPLES = 1024
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TableDrafter(Method):
-  """Host M1 proposing fixed continuations of known contexts (none elsewhere)."""
-
-  name = "table"
-  k: int = K
-  table: tuple = ()  # ((context tuple, tokens tuple), ...)
-
-  @property
-  def num_speculative_tokens(self):
-    return self.k
-
-  def propose(self, state, ctx):
-    lookup = dict(self.table)
-    rows = len(ctx.request_ids)
-    tokens = np.full((rows, self.k), -1, np.int32)
-    num = np.zeros(rows, np.int32)
-    for i, seq in enumerate(ctx.token_ids):
-      d = lookup.get(tuple(int(t) for t in seq), ())[: int(ctx.budgets[i])]
-      tokens[i, : len(d)], num[i] = d, len(d)
-    return state, Draft(tokens, num)
 
 
 def test_three_token_distribution_matches_target(make_engine, target):

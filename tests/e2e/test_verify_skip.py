@@ -6,7 +6,15 @@ drafts are truncated.
 
 import numpy as np
 import pytest
-from e2e_lib import K, check_counters, make_requests, scripted_drafter, top_k_joint
+from e2e_lib import (
+    K,
+    TableDrafter,
+    check_counters,
+    full_logits,
+    make_requests,
+    scripted_drafter,
+    top_k_joint,
+)
 
 from methods.registry import make_method
 from methods.verify_skip import (
@@ -75,7 +83,8 @@ def test_bad_options_are_refused():
       "draft_model"
 
 
-@pytest.mark.parametrize("cost", [cheap, expensive], ids=["cheap", "expensive"])
+@pytest.mark.parametrize("cost", [pytest.param(cheap, marks=pytest.mark.slow), expensive],
+                         ids=["cheap", "expensive"])  # cheap: slow (+compiles of L = 2, 4)
 def test_greedy_equals_ar(make_engine, reference, cost):
   requests = make_requests(4, 12)
   method = VerifySkip(k=K, drafter=scripted_drafter(requests, reference, 2), cost_model=cost)
@@ -97,7 +106,9 @@ def test_full_acceptance_and_cheap_width_keep_k(make_engine, reference):
   outputs, metrics, state = _run(make_engine(method), requests)
   assert [o.output_token_ids for o in outputs] == reference(requests)
   c = state.counters
-  assert c["verified"] == c["drafted"] and set(c["caps"]) == {K}
+  # Every draft verified whole; the cap is k unless every row's budget is smaller
+  # (equal expected tokens: the shorter cap wins the tie).
+  assert c["verified"] == c["drafted"] and max(c["caps"]) == K
   assert max(s.query_bucket for s in metrics.steps) == K + 1
   assert np.all(state.accept == state.reach) and state.reach[0] > 0  # learned: always right
 
@@ -116,7 +127,7 @@ def test_expensive_width_verifies_shorter(make_engine, reference):
 
 DIST_PROMPT = (7, 21, 3, 30, 12)
 TEMPERATURE, TOP_K = 1.5, 3
-NUM_SAMPLES = 1024
+NUM_SAMPLES = 512
 
 
 def middling(batch, length):
@@ -126,7 +137,10 @@ def middling(batch, length):
 
 def test_three_token_distribution_with_truncation(make_engine, target):
   expected = top_k_joint(target, DIST_PROMPT, TEMPERATURE, TOP_K, 3)
-  method = VerifySkip(k=K, drafter="draft_model", cost_model=middling)
+  g1 = int(np.argmax(full_logits(target, [list(DIST_PROMPT)])[0]))
+  g2 = int(np.argmax(full_logits(target, [[*DIST_PROMPT, g1]])[0]))
+  drafter = TableDrafter(table=((DIST_PROMPT, (g1, g2)),))  # deterministic: q one-hot
+  method = VerifySkip(k=K, drafter=drafter, cost_model=middling)
   requests = [Request(f"d{i}", DIST_PROMPT, SamplingParams(
       temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=3)) for i in range(NUM_SAMPLES)]
   outputs, metrics, state = _run(make_engine(method), requests)
