@@ -119,6 +119,7 @@ def test_greedy_hsddw_equals_ar(make_engine, reference, workload):
         int(s.drafted_per_position[0]) for s in metrics.steps)  # the window cut blocks
 
 
+@pytest.mark.slow  # 27 s alone on the 2-core CPU (CI budget)
 def test_stops_inside_accepted_runs(target, reference):
   """M2 = the target and M1 always right: every block is accepted whole, so stop ids,
   EOS and max_tokens fall inside accepted runs and must end requests as AR does."""
@@ -169,6 +170,7 @@ TEMPERATURE, TOP_K = 1.5, 3
 NUM_SAMPLES = 1024
 
 
+@pytest.mark.slow  # 53 s alone on the 2-core CPU (CI budget)
 def test_three_token_distribution_matches_target(make_engine, target):
   """Three sampled tokens per request (step 1 drafts 2: M1's 2 tokens screened by M2)."""
   expected = top_k_joint(target, DIST_PROMPT, TEMPERATURE, TOP_K, 3)

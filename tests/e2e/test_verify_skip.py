@@ -135,6 +135,7 @@ def middling(batch, length):
   return 1.0 + (0.02 if batch < 8 else 0.6) * batch * length
 
 
+@pytest.mark.slow  # 40 s alone on the 2-core CPU (CI budget)
 def test_three_token_distribution_with_truncation(make_engine, target):
   expected = top_k_joint(target, DIST_PROMPT, TEMPERATURE, TOP_K, 3)
   g1 = int(np.argmax(full_logits(target, [list(DIST_PROMPT)])[0]))
