@@ -33,7 +33,7 @@ from specjax.sampling import (
 )
 from specjax.steps import forward_step
 
-__all__ = ["DraftModel", "draft_tokens_step"]
+__all__ = ["DraftKV", "DraftModel", "draft_tokens_step"]
 
 
 @functools.partial(
@@ -94,10 +94,78 @@ def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetad
 
 
 @dataclasses.dataclass
-class _State:
+class DraftKV:
+  """A draft model's paged KV next to the target's (same page table) and its bookkeeping.
+
+  Shared by the methods that draft with ``--draft`` (``DraftModel``, ``methods.hsddw``).
+  """
+
   runtime: object
   kv_caches: jax.Array  # [num_layers * num_pages, page_size, 2K, H] (init_kv_caches)
-  written: dict  # request id -> draft KV positions written
+  written: dict  # request id -> draft KV positions written (a valid prefix of tokens + draft)
+
+  @classmethod
+  def create(cls, runtime) -> DraftKV:
+    return cls(runtime, init_kv_caches(runtime.draft.config, runtime.num_pages,
+                                       runtime.page_size), {})
+
+  def idle(self, ctx) -> None:
+    """Bookkeeping of a step in which no row drafts (no draft forward)."""
+    for rid in ctx.new_requests:
+      self.written[rid] = 0
+    for rid, t in zip(ctx.request_ids, ctx.token_ids):
+      self.written[rid] = min(self.written.get(rid, 0), len(t) - 1)
+
+  def sync(self, ctx, budgets: np.ndarray):
+    """Brings the draft KV of every drafting row (budget > 0) up to its committed tokens
+    but the last one or two, and returns what the row must still feed.
+
+    Rows lagging by more than one token (new or preempted requests) are caught up by
+    one draft prefill; a budget-0 row is caught up when it next drafts.
+
+    Returns:
+      ``(pending i32[B, 2], q_lens i32[B], kv_lens i32[B])`` over the padded batch:
+      row i's ``q_lens[i]`` (1 or 2; 0 for budget-0 and padding rows) tokens not yet
+      in the draft KV, and its KV length once they are written (= ``len(tokens)``).
+    """
+    rt = self.runtime
+    batch = ctx.page_indices.shape[0]
+    for rid in ctx.new_requests:
+      self.written[rid] = 0
+    valid = [min(self.written.get(rid, 0), len(t) - 1)
+             for rid, t in zip(ctx.request_ids, ctx.token_ids)]
+    lag = [len(t) - 1 - v if b > 0 else 0 for t, v, b in zip(ctx.token_ids, valid, budgets)]
+    if max(lag, default=0) > 1:
+      t_len = 16
+      while t_len < max(lag):
+        t_len *= 2
+      tokens = np.zeros((batch, t_len), np.int32)
+      q_lens = np.zeros(batch, np.int32)
+      kv_lens = np.zeros(batch, np.int32)
+      for i, (t, v) in enumerate(zip(ctx.token_ids, valid)):
+        if lag[i] > 1:
+          tokens[i, : lag[i]] = t[v: len(t) - 1]
+          q_lens[i], kv_lens[i] = lag[i], len(t) - 1
+          valid[i] = len(t) - 1
+      meta = AttentionMetadata(ctx.page_indices, kv_lens, q_lens)
+      self.kv_caches, _, _ = forward_step(
+          rt.draft.graphdef, rt.draft.params, self.kv_caches, tokens, meta,
+          np.maximum(q_lens - 1, 0)[:, None], implementation=rt.attention_implementation)
+    pending = np.zeros((batch, 2), np.int32)
+    q_lens = np.zeros(batch, np.int32)
+    kv_lens = np.zeros(batch, np.int32)
+    for i, (rid, t, v) in enumerate(zip(ctx.request_ids, ctx.token_ids, valid)):
+      self.written[rid] = v
+      if budgets[i] <= 0:
+        continue
+      n_pend = len(t) - v  # 1 or 2
+      pending[i, :n_pend] = t[v:]
+      q_lens[i], kv_lens[i] = n_pend, len(t)
+    return pending, q_lens, kv_lens
+
+  def drop(self, finished) -> None:
+    for rid in finished:
+      self.written.pop(rid, None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,60 +187,25 @@ class DraftModel(Method):
     return Capabilities(runs_on="device", emits_draft_probs=True, needs_draft_model=True)
 
   def init_state(self, runtime):
-    caches = init_kv_caches(runtime.draft.config, runtime.num_pages, runtime.page_size)
-    return _State(runtime, caches, {})
+    return DraftKV.create(runtime)
 
-  def propose(self, state: _State, ctx):
+  def propose(self, state: DraftKV, ctx):
     rt = state.runtime
-    draft = rt.draft
     rows = len(ctx.request_ids)
     batch = ctx.page_indices.shape[0]
-    for rid in ctx.new_requests:
-      state.written[rid] = 0
     budgets = np.minimum(np.maximum(np.asarray(ctx.budgets[:rows], np.int32), 0), self.k)
     num_steps = int(budgets.max(initial=0))
     if num_steps == 0:  # nobody drafts: no draft forward at all
-      for rid, t in zip(ctx.request_ids, ctx.token_ids):
-        state.written[rid] = min(state.written.get(rid, 0), len(t) - 1)
+      state.idle(ctx)
       return state, Draft(np.full((rows, self.k), -1, np.int32), np.zeros(rows, np.int32))
-    valid = [min(state.written.get(rid, 0), len(t) - 1)
-             for rid, t in zip(ctx.request_ids, ctx.token_ids)]
-    # Catch up drafting rows that lag by more than two tokens (new or preempted requests);
-    # a budget-0 row is caught up when it next drafts.
-    lag = [len(t) - 1 - v if b > 0 else 0 for t, v, b in zip(ctx.token_ids, valid, budgets)]
-    if max(lag, default=0) > 1:
-      t_len = 16
-      while t_len < max(lag):
-        t_len *= 2
-      tokens = np.zeros((batch, t_len), np.int32)
-      q_lens = np.zeros(batch, np.int32)
-      kv_lens = np.zeros(batch, np.int32)
-      for i, (t, v) in enumerate(zip(ctx.token_ids, valid)):
-        if lag[i] > 1:
-          tokens[i, : lag[i]] = t[v: len(t) - 1]
-          q_lens[i], kv_lens[i] = lag[i], len(t) - 1
-          valid[i] = len(t) - 1
-      meta = AttentionMetadata(ctx.page_indices, kv_lens, q_lens)
-      state.kv_caches, _, _ = forward_step(
-          draft.graphdef, draft.params, state.kv_caches, tokens, meta,
-          np.maximum(q_lens - 1, 0)[:, None], implementation=rt.attention_implementation)
-    pending = np.zeros((batch, 2), np.int32)
-    q_lens = np.zeros(batch, np.int32)
-    kv_lens = np.zeros(batch, np.int32)
-    positions = np.zeros(batch, np.int32)
+    pending, q_lens, kv_lens = state.sync(ctx, budgets)
     row_budgets = np.zeros(batch, np.int32)
     row_budgets[:rows] = budgets
-    for i, (t, v) in enumerate(zip(ctx.token_ids, valid)):
-      if budgets[i] <= 0:
-        continue
-      n_pend = len(t) - v  # 1 or 2
-      pending[i, :n_pend] = t[v:]
-      q_lens[i], kv_lens[i], positions[i] = n_pend, len(t), len(t)
     all_greedy = bool(np.all(is_greedy(ctx.temperature[:rows])))
     meta = AttentionMetadata(ctx.page_indices, kv_lens, q_lens)
     state.kv_caches, tokens, probs = draft_tokens_step(
-        draft.graphdef, draft.params, state.kv_caches, pending, meta, row_budgets,
-        ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, positions,
+        rt.draft.graphdef, rt.draft.params, state.kv_caches, pending, meta, row_budgets,
+        ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, kv_lens,
         k=self.k, num_steps=num_steps, all_greedy=all_greedy,
         implementation=rt.attention_implementation,
     )
@@ -180,11 +213,10 @@ class DraftModel(Method):
     for i, (rid, t) in enumerate(zip(ctx.request_ids, ctx.token_ids)):
       b = int(budgets[i])
       tokens[i, b:] = -1
-      # Fed: the pending tokens and drafts d_1 .. d_{b-1}.
-      state.written[rid] = len(t) + b - 1 if b > 0 else valid[i]
+      if b > 0:  # fed: the pending tokens and drafts d_1 .. d_{b-1}
+        state.written[rid] = len(t) + b - 1
     return state, Draft(tokens, budgets, probs=probs)
 
-  def observe(self, state: _State, result):
-    for rid in result.finished:
-      state.written.pop(rid, None)
+  def observe(self, state: DraftKV, result):
+    state.drop(result.finished)
     return state

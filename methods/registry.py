@@ -6,9 +6,11 @@ from methods.ar import AutoRegressive
 from methods.draft_model import DraftModel
 from methods.eagle import Eagle
 from methods.eagle3 import Eagle3
+from methods.hsddw import HSDDW
 from methods.medusa import Medusa
 from methods.mtp import MTP
 from methods.ngram import NGram
+from methods.verify_skip import VerifySkip
 from specjax.method import Method
 
 __all__ = ["METHODS", "make_method"]
@@ -21,6 +23,8 @@ METHODS: dict[str, type[Method]] = {
     "eagle3": Eagle3,
     "mtp": MTP,
     "medusa": Medusa,
+    "hsddw": HSDDW,
+    "verify_skip": VerifySkip,
 }
 
 

@@ -32,8 +32,8 @@ from specjax.tree import chain_parents
 
 __all__ = [
     "ALPHABET", "ENGINE_CONFIG", "K", "MAX_MODEL_LEN", "PAGE_SIZE", "ChainAsTree",
-    "ScriptedDrafter", "ScriptedTreeDrafter", "VOCAB", "build_model", "check_counters",
-    "decode", "expected_counts", "full_logits", "greedy_reference", "make_requests",
+    "ScriptedDrafter", "ScriptedTreeDrafter", "TableDrafter", "VOCAB", "build_model", "check_counters",
+    "decode", "expected_counts", "full_logits", "top_k_joint", "greedy_reference", "make_requests",
     "model_config", "scripted_drafter", "scripted_tree", "walk_tree",
 ]
 
@@ -151,6 +151,26 @@ def full_logits(model: SplitModel, sequences) -> np.ndarray:
   return np.concatenate(res)
 
 
+def top_k_joint(model: SplitModel, prompt, temperature: float, top_k: int,
+                num_tokens: int) -> dict:
+  """``{tokens tuple: p}`` over the top-k support of the first ``num_tokens`` sampled
+  tokens after ``prompt`` (temperature, then top-k; exact, from the uncached forward)."""
+  def probs(logits):
+    z = logits / temperature
+    kth = np.sort(z, axis=-1)[..., -top_k][..., None]
+    z = np.where(z >= kth, z, -np.inf)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+  joint = {(): 1.0}
+  for _ in range(num_tokens):
+    prefixes = list(joint)
+    rows = probs(full_logits(model, [[*prompt, *c] for c in prefixes]))
+    joint = {(*c, int(t)): joint[c] * row[t] for c, row in zip(prefixes, rows)
+             for t in np.flatnonzero(row)}
+  return joint
+
+
 def greedy_reference(model: SplitModel, requests, eos_ids=()) -> list[list[int]]:
   """Greedy outputs by re-running the full forward per token (no KV reuse, no engine).
 
@@ -211,6 +231,29 @@ class ScriptedDrafter(Method):
       draft += [(cont[done + j] + 1) % VOCAB for j in range(right, budget)]
       tokens[i, :budget] = draft
       num[i] = budget
+    return state, Draft(tokens, num)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableDrafter(Method):
+  """Host M1 proposing fixed continuations of known contexts (none elsewhere)."""
+
+  name = "table"
+  k: int = K
+  table: tuple = ()  # ((context tuple, tokens tuple), ...)
+
+  @property
+  def num_speculative_tokens(self):
+    return self.k
+
+  def propose(self, state, ctx):
+    lookup = dict(self.table)
+    rows = len(ctx.request_ids)
+    tokens = np.full((rows, self.k), -1, np.int32)
+    num = np.zeros(rows, np.int32)
+    for i, seq in enumerate(ctx.token_ids):
+      d = lookup.get(tuple(int(t) for t in seq), ())[: int(ctx.budgets[i])]
+      tokens[i, : len(d)], num[i] = d, len(d)
     return state, Draft(tokens, num)
 
 

@@ -1,0 +1,299 @@
+"""Position-aware verify skipping: verify only the draft prefix worth its verify time.
+
+Sources (``methods_reference.md`` §1.8): DSpark (Cheng et al., arXiv 2607.05147, §3.2,
+Algorithm 1, §5.2, Appendix A) and vLLM's adaptive verification
+(``vllm/v1/worker/gpu/spec_decode/adaptive_verification.py``,
+``acceptance_estimator.py``): choose the verify budget from stale information, then
+admit draft positions by their survival probability. A wrapper: the ``drafter`` drafts
+as usual and this method truncates each row's draft before the target sees it.
+
+Per step, with B rows, row budgets ``b_r`` and draft lengths ``n_r``:
+  1. Stale stage (information from completed steps only). Per-position estimates
+     ``c_j = P(draft j accepted | drafts < j accepted)`` learned online (Beta-smoothed
+     counts, prior mean ``prior_mean``, weight ``prior_weight``; a missing draft counts
+     as not accepted), survival ``s_j = c_1 .. c_j``, expected tokens ``E(L) = sum_r (1 +
+     sum_{j <= min(b_r, L)} s_j)`` and the cost model ``T(B, L)`` (seconds of a verify
+     step of B rows at length L, verify width L + 1) give the verify cap
+     ``L* = argmax_L E(L) / T(B, L)`` over the engine's length buckets
+     ``L = 1, 2, 4, .., k`` (smaller L on ties) and the marginal price of a token
+     ``lambda = Theta* (T(B, L*) - T(B, 0)) / (B L*)``, ``Theta* = E(L*) / T(B, L*)``
+     (a token pays for itself if its survival exceeds lambda: DSpark's marginal rule).
+  2. Live stage (per row, pre-token). Draft confidence ``m_{r,j} = max_v q_{r,j}(v)``
+     (the drafter's distribution at position j, computed before d_j is drawn; rows
+     without draft probabilities use one bin), binned by ``confidence_bins``; survival
+     ``a_{r,j} = prod_{i <= j} c_i[bin(m_{r,i})]`` from per-(position, bin) estimates of
+     ``P(accepted | drafted, reached)``. Row r verifies ``l_r`` = the leading positions
+     ``j <= min(n_r, L*)`` with ``a_{r,j} >= lambda``, and at least ``min(min_tokens,
+     n_r, L*)`` (so position 1 keeps being observed).
+
+Non-anticipating (DSpark §3.2.2, "admission decisions must not depend on future candidate
+tokens"): L* and lambda are fixed before this step's drafts exist; draft j of row r is
+admitted iff j <= n_r (the drafter's own length rule, itself pre-token), j <= L* and
+``a_{r,i} >= lambda`` for all i <= j, where ``a_{r,i}`` depends on d_1 .. d_{i-1} only.
+So no token's admission depends on its own value or later ones (the retrospective
+global argmax of DSpark's Appendix A counterexample is avoided by taking the budget from
+stale statistics, as vLLM and TensorRT-LLM do), and the shared verification stays
+lossless. Greedy outputs equal AR for any rule.
+
+Observations (vLLM's rule, 0-based position j): a position is labelled only if the
+chain reached it and it was verified; label 1 iff accepted. The stale estimate also
+labels a missing draft (j >= n_r) inside the cap as 0; a drafted position truncated by
+lambda is censored.
+
+Limits: a seeded sampled request's tokens depend on its verified lengths, which depend
+on its batch partners and on earlier requests of the run (shared estimates, the batch's
+cost); its distribution does not (as in vLLM). Wrapping ``hsddw`` counts a truncated
+draft as rejected in its threshold. Cost by B rows, not the padded batch bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.method import Draft, Method
+
+__all__ = ["LinearVerifyCost", "TableVerifyCost", "VerifySkip", "VerifySkipState",
+           "choose_cap", "length_buckets"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearVerifyCost:
+  """``T(B, L) = fixed_s + per_row_s * B + per_token_s * B * (L + 1)`` seconds.
+
+  The defaults fit the whole engine step of the Llama-3.1-8B shape (bf16) on the H200
+  at B = 16 and 64, L = 1 and 8 (``docs/gpu/session6/runtime_v2``, step_ms 8.93, 11.42,
+  14.12, 22.96): a rough prior for other setups, which should pass measured costs
+  (``TableVerifyCost``).
+  """
+
+  fixed_s: float = 7.2e-3
+  per_row_s: float = 6.8e-5
+  per_token_s: float = 2.0e-5
+
+  def __call__(self, batch: int, length: int) -> float:
+    return self.fixed_s + self.per_row_s * batch + self.per_token_s * batch * (length + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableVerifyCost:
+  """Measured step seconds: ``seconds[i][j]`` at ``batches[i]`` rows, length
+  ``lengths[j]`` (increasing). Linear in B between (and beyond, clamped to the end
+  points) measured batches; a length between measured ones takes the next larger one.
+
+  Raises:
+    ValueError: shapes disagree, axes not increasing, or a length past the table.
+  """
+
+  batches: tuple[int, ...]
+  lengths: tuple[int, ...]
+  seconds: tuple[tuple[float, ...], ...]
+
+  def __post_init__(self):
+    s = np.asarray(self.seconds, np.float64)
+    if s.shape != (len(self.batches), len(self.lengths)) or not s.size:
+      raise ValueError(f"seconds shape {s.shape} must be (len(batches), len(lengths)) = "
+                       f"({len(self.batches)}, {len(self.lengths)})")
+    if np.any(np.diff(self.batches) <= 0) or np.any(np.diff(self.lengths) <= 0):
+      raise ValueError(f"batches={self.batches} and lengths={self.lengths} must increase")
+
+  def __call__(self, batch: int, length: int) -> float:
+    j = int(np.searchsorted(self.lengths, length))
+    if j == len(self.lengths):
+      raise ValueError(f"length={length} is past the cost table's lengths {self.lengths}")
+    col = np.asarray(self.seconds, np.float64)[:, j]
+    return float(np.interp(batch, self.batches, col))
+
+
+def length_buckets(k: int) -> list[int]:
+  """The engine's verify length buckets up to k: 1, 2, 4, .., k (e.g. k = 6: 1, 2, 4, 6)."""
+  out, b = [], 1
+  while b < k:
+    out.append(b)
+    b *= 2
+  return out + [k]
+
+
+def choose_cap(survival: np.ndarray, budgets: np.ndarray, cost: Callable[[int, int], float],
+               lengths: Sequence[int]) -> tuple[int, float, float]:
+  """``(L*, Theta*, lambda)`` of the stale stage (module docstring, step 1).
+
+  Args:
+    survival: ``f32[k]`` s_j, non-increasing.
+    budgets: ``i32[B]`` row budgets.
+    cost: ``T(B, L)`` in seconds.
+    lengths: candidate caps (increasing, >= 1).
+
+  Example: s = [0.9, 0.45], one row of budget 2, T(1, L) = 1 + L: E(1) / T = 1.9 / 2 =
+  0.95, E(2) / T = 2.35 / 3 = 0.78, so L* = 1, Theta* = 0.95, lambda = 0.95 (2 - 1) / 1.
+  """
+  rows = len(budgets)
+  cum = np.concatenate([[0.0], np.cumsum(survival)])
+  best = None
+  for length in lengths:
+    expected = float(np.sum(1.0 + cum[np.minimum(budgets, length)]))
+    theta = expected / cost(rows, length)
+    if best is None or theta > best[1] * (1 + 1e-12):
+      best = (length, theta)
+  length, theta = best
+  lam = theta * (cost(rows, length) - cost(rows, 0)) / (rows * length)
+  return length, theta, float(lam)
+
+
+@dataclasses.dataclass
+class VerifySkipState:
+  """Per-run state: the drafter's, the online counts and the step in flight."""
+
+  inner: Any
+  reach: np.ndarray  # f64[k] stale-stage labels per position
+  accept: np.ndarray  # f64[k]
+  reach_bin: np.ndarray  # f64[k, bins] live-stage labels per (position, bin)
+  accept_bin: np.ndarray
+  last: dict  # request id -> (verified, drafted, budget, cap, bins i32[verified])
+  counters: dict  # steps, drafted, verified, caps (list of L* per step)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifySkip(Method):
+  """Wraps ``drafter`` and verifies the prefix chosen by the non-anticipating rule.
+
+  Attributes:
+    k: most draft tokens (the drafter is built with the same k).
+    drafter: a chain drafter's registry name (default "ngram") or a ``Method``.
+    cost_model: ``T(B, L)`` seconds, e.g. ``TableVerifyCost``; None:
+      ``LinearVerifyCost()``.
+    prior_mean: prior acceptance per position, in (0, 1).
+    prior_weight: pseudo-observations of the prior (> 0).
+    confidence_bins: increasing edges in (0, 1) of the draft max-probability bins.
+    min_tokens: drafts always verified when present (0 or 1).
+  """
+
+  name = "verify_skip"
+  k: int = 4
+  drafter: Any = "ngram"
+  cost_model: Any = None
+  prior_mean: float = 0.8
+  prior_weight: float = 2.0
+  confidence_bins: tuple[float, ...] = (0.5, 0.8, 0.95)
+  min_tokens: int = 1
+  _inner: Method = dataclasses.field(init=False, repr=False, compare=False, default=None)
+
+  def __post_init__(self):
+    if self.k < 1:
+      raise ValueError(f"num_speculative_tokens k={self.k} must be >= 1")
+    if not 0 < self.prior_mean < 1:
+      raise ValueError(f"prior_mean={self.prior_mean} must be in (0, 1)")
+    if not (np.isfinite(self.prior_weight) and self.prior_weight > 0):
+      raise ValueError(f"prior_weight={self.prior_weight} must be a finite number > 0")
+    edges = tuple(float(e) for e in self.confidence_bins)
+    if any(not 0 < e < 1 for e in edges) or list(edges) != sorted(set(edges)):
+      raise ValueError(f"confidence_bins={self.confidence_bins!r} must be increasing values "
+                       "in (0, 1)")
+    object.__setattr__(self, "confidence_bins", edges)
+    if self.min_tokens not in (0, 1):
+      raise ValueError(f"min_tokens={self.min_tokens} must be 0 or 1")
+    if self.cost_model is not None and not callable(self.cost_model):
+      raise ValueError(f"cost_model={self.cost_model!r} must be callable (batch, length) -> s")
+    inner = self.drafter
+    if isinstance(inner, str):
+      from methods.registry import make_method  # noqa: PLC0415 (the registry imports us)
+
+      inner = make_method(inner, self.k)
+    if not isinstance(inner, Method) or inner.num_speculative_tokens < 1 \
+        or inner.capabilities().tree or isinstance(inner, VerifySkip):
+      raise ValueError(f"drafter={self.drafter!r} must be a chain drafter (k >= 1, no trees, "
+                       "not verify_skip itself)")
+    object.__setattr__(self, "_inner", inner)
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    return self.k
+
+  def capabilities(self):
+    return self._inner.capabilities()
+
+  def describe(self) -> dict:
+    return {"method": self.name, "k": self.k, "drafter": self._inner.name,
+            "cost_model": repr(self.cost_model or LinearVerifyCost()),
+            "prior_mean": self.prior_mean, "prior_weight": self.prior_weight,
+            "confidence_bins": self.confidence_bins, "min_tokens": self.min_tokens}
+
+  def init_state(self, runtime):
+    bins = len(self.confidence_bins) + 1
+    return VerifySkipState(
+        self._inner.init_state(runtime), np.zeros(self.k), np.zeros(self.k),
+        np.zeros((self.k, bins)), np.zeros((self.k, bins)), {},
+        dict(steps=0, drafted=0, verified=0, caps=[]))
+
+  def _estimate(self, accept, reach):
+    a = self.prior_mean * self.prior_weight
+    return (accept + a) / (reach + self.prior_weight)
+
+  def propose(self, state: VerifySkipState, ctx):
+    rows = len(ctx.request_ids)
+    state.inner, draft = self._inner.propose(state.inner, ctx)
+    budgets = np.minimum(np.maximum(np.asarray(ctx.budgets[:rows]), 0), self.k).astype(np.int32)
+    drafted = np.minimum(np.asarray(draft.num_tokens[:rows]), budgets).astype(np.int32)
+    if drafted.max(initial=0) == 0:
+      for rid in ctx.request_ids:
+        state.last[rid] = (0, 0, 0, 0, np.zeros(0, np.int32))
+      return state, Draft(draft.tokens, np.zeros(rows, np.int32), probs=draft.probs)
+    cost = self.cost_model or LinearVerifyCost()
+    survival = np.cumprod(self._estimate(state.accept, state.reach))
+    lengths = length_buckets(self.k)
+    if self.min_tokens == 0:
+      lengths = [0, *lengths]
+    cap, _, lam = (choose_cap(survival, budgets, cost, lengths) if lengths[-1]
+                   else (0, 0.0, 0.0))
+    if draft.probs is not None:  # pre-token confidence: max of q at each position
+      conf = np.asarray(jnp.max(draft.probs[:rows, : self.k], axis=-1), np.float64)
+      conf = np.pad(conf, ((0, 0), (0, self.k - conf.shape[1])))
+    else:
+      conf = np.ones((rows, self.k))
+    bins = np.searchsorted(np.asarray(self.confidence_bins), conf, side="right")
+    if draft.probs is None:
+      bins[:] = 0
+    live = self._estimate(state.accept_bin, state.reach_bin)  # [k, bins]
+    alive = np.cumprod(live[np.arange(self.k)[None], bins], axis=1)  # a_{r,j}: [rows, k]
+    verified = np.zeros(rows, np.int32)
+    for i, rid in enumerate(ctx.request_ids):
+      top = min(int(drafted[i]), cap)
+      keep = int(np.sum(np.cumprod(alive[i, :top] >= lam)))
+      verified[i] = max(keep, min(self.min_tokens, top))
+      state.last[rid] = (int(verified[i]), int(drafted[i]), int(budgets[i]), cap,
+                         bins[i, : verified[i]].astype(np.int32))
+    c = state.counters
+    c["steps"] += 1
+    c["drafted"] += int(drafted.sum())
+    c["verified"] += int(verified.sum())
+    c["caps"].append(cap)
+    tokens = draft.tokens
+    if isinstance(tokens, np.ndarray):
+      tokens = tokens.copy()
+      for i in range(rows):
+        tokens[i, verified[i]:] = -1
+    return state, Draft(tokens, verified, probs=draft.probs)
+
+  def observe(self, state: VerifySkipState, result):
+    for i, rid in enumerate(result.request_ids):
+      verified, drafted, budget, cap, bins = state.last.pop(rid, (0, 0, 0, 0, None))
+      a = int(result.num_accepted[i])
+      for j in range(min(a + 1, verified)):  # live stage: drafted, reached and verified
+        state.reach_bin[j, bins[j]] += 1
+        state.accept_bin[j, bins[j]] += j < a
+      for j in range(min(a + 1, cap, budget)):  # stale stage
+        if j < verified:
+          state.reach[j] += 1
+          state.accept[j] += j < a
+        elif j >= drafted:  # no draft at a reached position: not accepted
+          state.reach[j] += 1
+    state.inner = self._inner.observe(state.inner, result)
+    return state
+
+  def observe_prefill(self, state, result):
+    state.inner = self._inner.observe_prefill(state.inner, result)
+    return state
