@@ -92,8 +92,7 @@ class Adaptive(Method):
     k: the most draft tokens per row (every member gets this k).
     drafters: member method names, in tie-break order (a comma-separated string is
       accepted too).
-    prior: prior per-position acceptance of the unscored members (and calibration of
-      the scored ones), in (0, 1].
+    prior: prior per-position acceptance of the unscored members, in (0, 1].
     prior_weight: pseudo-rows behind the prior (> 0).
   """
 
@@ -175,8 +174,10 @@ class Adaptive(Method):
     return np.minimum.accumulate(a)
 
   def _calibration(self, est: _Estimate) -> float:
+    """Accepted per unit of score (1 before anything is observed: a score is already an
+    expected accepted length)."""
     w = self.prior_weight
-    return (est.accepted_sum + w * self.prior) / (est.score_sum + w)
+    return (est.accepted_sum + w) / (est.score_sum + w)
 
   # ------------------------------------------------------------------ propose
   def propose(self, state: _State, ctx: ProposeContext):

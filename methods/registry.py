@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from methods.adaptive import Adaptive
 from methods.ar import AutoRegressive
 from methods.draft_model import DraftModel
 from methods.eagle import Eagle
@@ -23,6 +24,7 @@ METHODS: dict[str, type[Method]] = {
     "mtp": MTP,
     "medusa": Medusa,
     "suffix": SuffixDecoding,
+    "adaptive": Adaptive,
 }
 
 
