@@ -41,7 +41,8 @@ def test_greedy_adaptive_equals_ar(make_engine, reference, drafters):
     assert sum(chosen.values()) == sum(s.num_rows for s in metrics.steps)
     stats = Adaptive.stats(engine.runtime)
     assert sum(stats.accepted.values()) == sum(s.num_accepted for s in metrics.steps)
-  assert all(chosen[name] > 0 for name in drafters), chosen
+  # The second pass finds whole earlier responses in the global tree: suffix drafts.
+  assert chosen["suffix"] > 0 and ("draft_model" not in drafters or chosen["draft_model"] > 0)
 
 
 def _first_choices(make_engine, reference, prompts):

@@ -66,7 +66,7 @@ def test_global_cache_options(make_engine, reference):
   for outputs, _ in passes:
     assert [o.output_token_ids for o in outputs] == expected
   assert _totals(passes[0][1]) == _totals(passes[1][1])
-  assert engine.runtime.method_cache[off].tree.root.count == 0
+  assert engine.runtime.method_cache[off].tree.count([]) == 0
 
   one = SuffixDecoding(k=K, max_cached_requests=1)
   engine = make_engine(one)
@@ -75,7 +75,7 @@ def test_global_cache_options(make_engine, reference):
   cache = engine.runtime.method_cache[one]
   assert len(cache.order) == 1 and cache.tree.num_sequences == 1
   # All 8 rows start in the first step, in request order: the last one is kept.
-  assert cache.tree.root.count == len(outputs[-1].output_token_ids)
+  assert cache.tree.count([]) == len(outputs[-1].output_token_ids)
   unlimited = make_engine(SuffixDecoding(k=K))
   unlimited.generate(requests)
   assert unlimited.runtime.method_cache[unlimited.method].tree.num_sequences == len(requests)

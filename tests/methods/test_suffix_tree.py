@@ -23,7 +23,7 @@ def test_counts_are_substring_occurrences():
   t.extend(0, [A, B, A, B, C])
   assert [t.count(s) for s in ([A], [B], [C], [A, B], [B, A], [B, C], [A, B, A, B, C])] == [
       2, 2, 1, 2, 1, 1, 1]
-  assert t.count([C, A]) == 0 and t.root.count == 5
+  assert t.count([C, A]) == 0 and t.count([]) == 5
   t.extend(7, [A, B])  # a second sequence adds its own occurrences
   assert t.count([A, B]) == 3 and t.count([A]) == 3 and t.num_sequences == 2
 
@@ -90,9 +90,9 @@ def test_remove_restores_counts():
   ref.extend(1, [B, A, C])
   for s in ([A], [B], [C], [B, A], [A, C], [B, A, C], [A, B]):
     assert t.count(s) == ref.count(s), s
-  assert t.root.count == 3 and 0 not in t
+  assert t.count([]) == 3 and 0 not in t
   t.remove(1)
-  assert t.root.children == {} and t.root.count == 0
+  assert t.num_nodes == 1 and t.count([]) == 0
   with pytest.raises(KeyError):
     t.remove(1)
 
@@ -157,7 +157,7 @@ def test_max_cached_requests_zero_disables_global():
   st, _ = method.propose(st, _ctx(["a"], [[A]], [4]))
   st = method.observe(st, VerifyResult(["a"], np.array([0]), [[D, D, D]], frozenset({"a"})))
   st, d = method.propose(st, _ctx(["b"], [[C, D]], [4]))
-  assert d.num_tokens.tolist() == [0] and st.cache.tree.root.count == 0
+  assert d.num_tokens.tolist() == [0] and st.cache.tree.count([]) == 0
 
 
 def test_tree_mode_draft_has_parents():
@@ -219,3 +219,9 @@ def test_counts_match_brute_force(depth):
   check([0, 1, 2])
   t.remove(1)
   check([0, 2])
+  seqs[3] = rng.integers(0, 3, size=9).tolist()  # reuses the freed node ids
+  t.extend(3, seqs[3])
+  check([0, 2, 3])
+  for i in (0, 2, 3):
+    t.remove(i)
+  assert t.num_nodes == 1 and t.count([]) == 0
