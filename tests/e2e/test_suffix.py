@@ -25,7 +25,7 @@ from specjax.config import SamplingParams
 from specjax.request import Request
 
 WORKLOADS = {"batch1": (1, 1), "batch3": (2, 3), "batch8": (3, 8), "queue12": (4, 12)}
-_CI = {("path", "queue12"), ("tree", "batch8")}  # the others: slow (compiles dominate)
+_CI = {("path", "queue12"), ("tree", "batch3")}  # the others: slow (compiles dominate)
 _CASES = [pytest.param(tree, w, id=f"{mode}-{w}",
                        marks=() if (mode, w) in _CI else pytest.mark.slow)
           for tree, mode in ((False, "path"), (True, "tree")) for w in WORKLOADS]
@@ -180,3 +180,19 @@ def test_two_token_distribution_matches_target(make_engine, target):
   assert counts[~support].sum() == 0
   p_value = chi_square_pvalue(counts[support], expected[support], NUM_SAMPLES)
   assert p_value > P_THRESHOLD, (p_value, counts[support], expected[support] * NUM_SAMPLES)
+
+
+@pytest.mark.slow  # sampler compiles at several batch buckets
+def test_seeded_request_ignores_partners_without_global_cache(make_engine):
+  """G3 with local trees only: a row's drafts depend on its own tokens alone. (With the
+  global tree a partner's response can change a seeded row's draft and hence its exact
+  sample, as in vLLM/Arctic; the law stays the target's.)"""
+  seeded = Request("seeded", (7, 21, 3, 7, 21, 3, 7, 21),
+                   SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12))
+  engine = make_engine(SuffixDecoding(k=K, max_cached_requests=0))
+  alone = engine.generate([seeded])[0][0].output_token_ids
+  partners = make_requests(9, 5, prefix="p", temperature=0.8, seed=3)
+  for batch in ([*partners[:2], seeded], [seeded, *partners]):
+    outputs, metrics = engine.generate(batch)
+    assert {o.request_id: o for o in outputs}["seeded"].output_token_ids == alone
+    check_counters(metrics, outputs, K)
