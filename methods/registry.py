@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from methods.adaptive import Adaptive
 from methods.ar import AutoRegressive
 from methods.draft_model import DraftModel
 from methods.eagle import Eagle
@@ -11,6 +12,7 @@ from methods.medusa import Medusa
 from methods.mtp import MTP
 from methods.ngram import NGram
 from methods.verify_skip import VerifySkip
+from methods.suffix import SuffixDecoding
 from specjax.method import Method
 
 __all__ = ["METHODS", "make_method"]
@@ -25,6 +27,8 @@ METHODS: dict[str, type[Method]] = {
     "medusa": Medusa,
     "hsddw": HSDDW,
     "verify_skip": VerifySkip,
+    "suffix": SuffixDecoding,
+    "adaptive": Adaptive,
 }
 
 

@@ -61,7 +61,12 @@ class Draft:
 
 @dataclasses.dataclass
 class RuntimeInfo:
-  """What ``init_state`` may use: the loaded target (and draft) and the KV pool geometry."""
+  """What ``init_state`` may use: the loaded target (and draft) and the KV pool geometry.
+
+  ``method_cache`` is one per engine and outlives ``generate`` calls (``init_state`` runs
+  once per call): a method keeps state there that must persist across calls, e.g. suffix
+  decoding's global tree of earlier responses, under a key of its own (its config).
+  """
 
   target: Any  # models.zoo.LoadedModel-like: .config, .graphdef, .params
   draft: Any
@@ -69,6 +74,7 @@ class RuntimeInfo:
   page_size: int
   max_model_len: int
   attention_implementation: Any
+  method_cache: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,146 @@
+"""The adaptive orchestrator (``methods.adaptive``) through the engine.
+
+G1: whatever member drafts a row, greedy output equals greedy AR. The choice is
+recorded per member; a prompt of heavy repetition goes to suffix decoding, one without
+repetition to the draft model. G2 (slow): rows drafted by suffix (one-hot q) and by the
+draft model (its own q) in the same sampled steps keep the target's law.
+"""
+
+import numpy as np
+import pytest
+from e2e_lib import VOCAB, K, check_counters, full_logits, make_requests
+
+from methods.adaptive import Adaptive
+from methods.registry import make_method
+from models.testing import chi_square_pvalue
+from specjax.config import SamplingParams
+from specjax.request import Request
+
+ALL = ("suffix", "ngram", "draft_model")
+
+
+def _chosen_rows(engine):
+  stats = Adaptive.stats(engine.runtime)
+  assert stats is engine.runtime.method_cache[engine.method]
+  return stats.chosen
+
+
+@pytest.mark.parametrize("drafters", [
+    ("suffix", "ngram"),
+    pytest.param(ALL, marks=pytest.mark.slow),  # ~100 s: the draft model's compiles
+])
+def test_greedy_adaptive_equals_ar(make_engine, reference, drafters):
+  requests = make_requests(4, 12)  # a queue: rows join and finish at different steps
+  engine = make_engine(make_method("adaptive", K, drafters=drafters))
+  expected = reference(requests)
+  for _ in range(2):  # the second pass also drafts from the global suffix cache
+    outputs, metrics = engine.generate(requests)
+    assert [o.output_token_ids for o in outputs] == expected
+    check_counters(metrics, outputs, K)
+    chosen = _chosen_rows(engine)
+    assert sum(chosen.values()) == sum(s.num_rows for s in metrics.steps)
+    stats = Adaptive.stats(engine.runtime)
+    assert sum(stats.accepted.values()) == sum(s.num_accepted for s in metrics.steps)
+  # The second pass finds whole earlier responses in the global tree: suffix drafts.
+  assert chosen["suffix"] > 0 and ("draft_model" not in drafters or chosen["draft_model"] > 0)
+
+
+def _first_choices(make_engine, reference, prompts):
+  """One fresh engine, one sampled-free batch of ``prompts`` with max_tokens 2: each row
+  drafts (budget 1) only in its first step, so the counters hold the first-step choices."""
+  method = make_method("adaptive", K, drafters=("suffix", "draft_model"), prior=0.5)
+  engine = make_engine(method)
+  requests = [Request(f"r{i}", p, SamplingParams(max_tokens=2)) for i, p in enumerate(prompts)]
+  outputs, _ = engine.generate(requests)
+  assert [o.output_token_ids for o in outputs] == reference(requests)
+  stats = Adaptive.stats(engine.runtime)
+  for name, est in stats.estimates.items():  # learned from the rows each member drafted
+    assert est.drafted[0] == stats.chosen[name] and est.drafted[1:].sum() == 0
+    assert est.accepted[0] == stats.accepted[name]
+  return stats.chosen
+
+
+def test_repetition_picks_suffix_and_none_picks_the_model(make_engine, reference):
+  # Period-4 prompts: the suffix draft's first token has p = 3/4 > the model's prior 1/2.
+  repetitive = [(5, 6, 7, 8) * 4, (9, 1, 2) * 5, (30, 31, 32, 33) * 3, (4, 40) * 6]
+  chosen = _first_choices(make_engine, reference, repetitive)
+  assert chosen["suffix"] == len(repetitive) and chosen["draft_model"] == 0, chosen
+  # No token repeats: no suffix match (score 0), so the draft model drafts.
+  plain = [tuple(range(10, 22)), (1, 2, 3), (44, 7, 19, 23, 0), (8,)]
+  chosen = _first_choices(make_engine, reference, plain)
+  assert chosen["draft_model"] == len(plain) and chosen["suffix"] == 0, chosen
+
+
+@pytest.mark.parametrize("drafters, match", [
+    (("suffix", "suffix"), "distinct"),
+    ((), "non-empty"),
+    (("suffix", "nope"), "'nope'"),
+    (("suffix", "adaptive"), "'adaptive'"),
+    (("ngram", "ar"), "refused: \\['ar'\\]"),
+])
+def test_bad_drafters_refused(drafters, match):
+  with pytest.raises(ValueError, match=match) as info:
+    make_method("adaptive", K, drafters=drafters)
+  assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("option, value", [("prior", 0.0), ("prior", 1.5),
+                                           ("prior_weight", 0.0), ("k", 0)])
+def test_bad_options_refused(option, value):
+  with pytest.raises(ValueError, match=f"{option}={value}"):
+    Adaptive(**{option: value})
+
+
+def test_capabilities_are_the_union():
+  host = make_method("adaptive", K, drafters="suffix,ngram")
+  assert host.drafters == ("suffix", "ngram") and host.capabilities().runs_on == "host"
+  both = make_method("adaptive", K, drafters=ALL)
+  caps = both.capabilities()
+  assert caps.runs_on == "device" and caps.needs_draft_model and caps.emits_draft_probs
+  hash(both)
+
+
+# ---------------------------------------------------------------- G2
+TEMPERATURE, TOP_K = 1.5, 3
+NUM_SAMPLES = 512
+P_THRESHOLD = 1e-3
+
+
+def _probs(logits):
+  z = logits / TEMPERATURE
+  kth = np.sort(z, axis=-1)[..., -TOP_K][..., None]
+  z = np.where(z >= kth, z, -np.inf)
+  e = np.exp(z - z.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _joint(model, prompt):
+  p1 = _probs(full_logits(model, [list(prompt)])[0])
+  p2 = _probs(full_logits(model, [[*prompt, x] for x in range(VOCAB)]))
+  return p1[:, None] * p2
+
+
+@pytest.mark.slow  # ~1 min on a 2-core CPU
+def test_mixed_drafters_keep_the_target_law(make_engine, target):
+  repetitive, plain = (9, 4, 9, 4, 9, 4, 9, 4, 9), (7, 21, 3, 30, 12)
+  requests = []
+  for i in range(NUM_SAMPLES):
+    for tag, prompt in (("rep", repetitive), ("plain", plain)):
+      requests.append(Request(f"{tag}{i}", prompt, SamplingParams(
+          temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=2)))
+  method = make_method("adaptive", K, drafters=("suffix", "draft_model"), prior=0.5)
+  engine = make_engine(method)
+  outputs, metrics = engine.generate(requests)
+  check_counters(metrics, outputs, K)
+  chosen = _chosen_rows(engine)
+  assert chosen["suffix"] > 0 and chosen["draft_model"] > 0, chosen
+  for tag, prompt in (("rep", repetitive), ("plain", plain)):
+    expected = _joint(target, prompt)
+    counts = np.zeros_like(expected)
+    for o in outputs:
+      if o.request_id.startswith(tag):
+        counts[tuple(o.output_token_ids)] += 1
+    support = expected > 0
+    assert counts[~support].sum() == 0, tag
+    p_value = chi_square_pvalue(counts[support], expected[support], NUM_SAMPLES)
+    assert p_value > P_THRESHOLD, (tag, p_value)

@@ -1,0 +1,198 @@
+"""Suffix decoding through the engine (G1, G2, G4, G5) and its global cache.
+
+Every workload runs twice on one engine: the second pass finds the first pass's
+responses in the global tree, so it drafts (and accepts) far more, which exercises long
+accepted runs; both passes must equal the uncached greedy reference. With
+``max_spec_offset`` large enough every matched step drafts k tokens of a cached
+response, so stops, EOS and length limits land inside accepted runs.
+"""
+
+import numpy as np
+import pytest
+from e2e_lib import (
+    MAX_MODEL_LEN,
+    K,
+    check_counters,
+    decode,
+    full_logits,
+    make_requests,
+)
+
+from methods.registry import make_method
+from methods.suffix import SuffixDecoding
+from models.testing import chi_square_pvalue
+from specjax.config import SamplingParams
+from specjax.request import Request
+
+WORKLOADS = {"batch1": (1, 1), "batch3": (2, 3), "batch8": (3, 8), "queue12": (4, 12)}
+_CI = {("path", "queue12"), ("tree", "batch1")}  # the others: slow (compiles dominate)
+_CASES = [pytest.param(tree, w, id=f"{mode}-{w}",
+                       marks=() if (mode, w) in _CI else pytest.mark.slow)
+          for tree, mode in ((False, "path"), (True, "tree")) for w in WORKLOADS]
+
+
+def _totals(metrics):
+  return (sum(s.num_draft_tokens for s in metrics.steps),
+          sum(s.num_accepted for s in metrics.steps))
+
+
+@pytest.mark.parametrize("tree, workload", _CASES)
+def test_greedy_suffix_equals_ar_twice(make_engine, reference, tree, workload):
+  requests = make_requests(*WORKLOADS[workload])
+  engine = make_engine(SuffixDecoding(k=K, tree=tree))
+  expected = reference(requests)
+  totals = []
+  for _ in range(2):
+    outputs, metrics = engine.generate(requests)
+    assert [o.output_token_ids for o in outputs] == expected
+    assert all(o.finish_reason == "length" for o in outputs)
+    check_counters(metrics, outputs, K, tree=tree)
+    totals.append(_totals(metrics))
+  # The second pass drafts from the first pass's responses (global tree).
+  (d1, a1), (d2, a2) = totals
+  assert d2 > d1 and a2 > a1 > -1
+  if len(requests) > 1:
+    assert a2 >= sum(len(e) for e in expected) // 4
+
+
+def test_global_cache_options(make_engine, reference):
+  """max_cached_requests=0: the second pass drafts exactly what the first did (local
+  trees only). max_cached_requests=1: only the newest response stays cached (FIFO)."""
+  requests = make_requests(3, 8)
+  expected = reference(requests)
+  off = SuffixDecoding(k=K, max_cached_requests=0)
+  engine = make_engine(off)
+  passes = [engine.generate(requests) for _ in range(2)]
+  for outputs, _ in passes:
+    assert [o.output_token_ids for o in outputs] == expected
+  assert _totals(passes[0][1]) == _totals(passes[1][1])
+  assert engine.runtime.method_cache[off].tree.count([]) == 0
+
+  one = SuffixDecoding(k=K, max_cached_requests=1)
+  engine = make_engine(one)
+  outputs, _ = engine.generate(requests)
+  assert [o.output_token_ids for o in outputs] == expected
+  cache = engine.runtime.method_cache[one]
+  assert len(cache.order) == 1 and cache.tree.num_sequences == 1
+  # All 8 rows start in the first step, in request order: the last one is kept.
+  assert cache.tree.count([]) == len(outputs[-1].output_token_ids)
+  unlimited = make_engine(SuffixDecoding(k=K))
+  unlimited.generate(requests)
+  assert unlimited.runtime.method_cache[unlimited.method].tree.num_sequences == len(requests)
+
+
+# ---------------------------------------------------------------- stops (G4)
+PROMPT = (5, 17, 33, 2, 40, 9)
+
+
+def _firsts(cont, upto=12):
+  return [s for s in range(1, upto) if cont[s] not in cont[:s]]
+
+
+def test_stops_inside_accepted_runs(make_engine, reference):
+  warm = Request("warm", PROMPT, SamplingParams(max_tokens=26, ignore_eos=True))
+  cont = reference([warm])[0]
+  firsts = _firsts(cont)
+  assert len(firsts) >= 3, f"test model gives no usable stop positions in {cont}"
+  eos_at = firsts[-1]
+  text = decode(cont)
+  stops = [Request(f"stop_id@{s}", PROMPT, SamplingParams(max_tokens=26,
+                                                          stop_token_ids=(cont[s],)))
+           for s in firsts[:2]]
+  for s in range(2, 10):
+    stop = decode(cont[s - 1: s + 1])
+    if text.find(stop) == s - 1:
+      stops.append(Request(f"stop_str@{s}", PROMPT, SamplingParams(max_tokens=26, stop=(stop,))))
+      break
+  batches = [
+      stops + [Request(f"max_tokens={m}", PROMPT, SamplingParams(max_tokens=m)) for m in (3, 7)],
+      [Request("eos", PROMPT, SamplingParams(max_tokens=26)),
+       Request("ignore_eos", PROMPT, SamplingParams(max_tokens=26, ignore_eos=True)),
+       Request("max_model_len", tuple(range(3, 23)), SamplingParams(max_tokens=40))],
+  ]
+  method = SuffixDecoding(k=K, max_spec_offset=float(K))
+  sd = make_engine(method, eos_token_ids=(cont[eos_at],))
+  ar = make_engine(make_method("ar"), eos_token_ids=(cont[eos_at],))
+  sd.generate([warm])  # caches the continuation (ignore_eos) in the global tree
+  for batch in batches:
+    sd_out, metrics = sd.generate(batch)
+    ar_out, _ = ar.generate(batch)
+    for r, s, a in zip(batch, sd_out, ar_out):
+      assert s.output_token_ids == a.output_token_ids, r.request_id
+      assert s.finish_reason == a.finish_reason, r.request_id
+      assert s.text == a.text, r.request_id
+    check_counters(metrics, sd_out, K)
+    by_id = {o.request_id: o for o in sd_out}
+    for rid, o in by_id.items():
+      kind, _, arg = rid.partition("@")
+      if kind == "stop_id":
+        assert o.output_token_ids == cont[: int(arg) + 1] and o.finish_reason == "stop"
+      if rid != "max_model_len" and len(o.output_token_ids) > 2:
+        # Most tokens came from accepted drafts: the stop ended an accepted run.
+        assert o.num_accepted_tokens >= len(o.output_token_ids) // 2, rid
+    if "eos" in by_id:
+      assert by_id["eos"].output_token_ids == cont[: eos_at + 1]
+      assert by_id["eos"].finish_reason == "stop"
+      assert len(by_id["max_model_len"].output_token_ids) == MAX_MODEL_LEN - 20
+
+
+# ---------------------------------------------------------------- G2
+TEMPERATURE, TOP_K = 1.5, 3
+NUM_SAMPLES = 768
+P_THRESHOLD = 1e-3
+
+
+def _probs(logits):
+  z = logits / TEMPERATURE
+  kth = np.sort(z, axis=-1)[..., -TOP_K][..., None]
+  z = np.where(z >= kth, z, -np.inf)
+  e = np.exp(z - z.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _repeat_prompt(target):
+  """``(7, 21, t, 7, 21)``: its local tree drafts t after "7 21"; t is the token the
+  target finds most likely there, so the draft is sometimes accepted."""
+  prompts = [(7, 21, t, 7, 21) for t in range(len(full_logits(target, [[7]])[0]))]
+  p = [_probs(row)[t] for t, row in enumerate(full_logits(target, [list(q) for q in prompts]))]
+  return prompts[int(np.argmax(p))]
+
+
+@pytest.mark.slow  # ~30 s on a 2-core CPU
+def test_two_token_distribution_matches_target(make_engine, target):
+  """Sampled suffix SD (one-hot q) keeps the target's joint law of the first two tokens
+  (temperature + top-k), computed exactly from the uncached forward."""
+  prompt = _repeat_prompt(target)
+  requests = [Request(f"d{i}", prompt,
+                      SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=2))
+              for i in range(NUM_SAMPLES)]
+  outputs, metrics = make_engine(SuffixDecoding(k=K, max_cached_requests=0)).generate(requests)
+  check_counters(metrics, outputs, K)
+  drafted, accepted = _totals(metrics)
+  assert 0 < accepted < drafted  # both acceptance and rejection ran
+  p1 = _probs(full_logits(target, [list(prompt)])[0])
+  p2 = _probs(full_logits(target, [[*prompt, x] for x in range(len(p1))]))
+  expected = p1[:, None] * p2
+  counts = np.zeros_like(expected)
+  for o in outputs:
+    counts[tuple(o.output_token_ids)] += 1
+  support = expected > 0
+  assert counts[~support].sum() == 0
+  p_value = chi_square_pvalue(counts[support], expected[support], NUM_SAMPLES)
+  assert p_value > P_THRESHOLD, (p_value, counts[support], expected[support] * NUM_SAMPLES)
+
+
+@pytest.mark.slow  # sampler compiles at several batch buckets
+def test_seeded_request_ignores_partners_without_global_cache(make_engine):
+  """G3 with local trees only: a row's drafts depend on its own tokens alone. (With the
+  global tree a partner's response can change a seeded row's draft and hence its exact
+  sample, as in vLLM/Arctic; the law stays the target's.)"""
+  seeded = Request("seeded", (7, 21, 3, 7, 21, 3, 7, 21),
+                   SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12))
+  engine = make_engine(SuffixDecoding(k=K, max_cached_requests=0))
+  alone = engine.generate([seeded])[0][0].output_token_ids
+  partners = make_requests(9, 5, prefix="p", temperature=0.8, seed=3)
+  for batch in ([*partners[:2], seeded], [seeded, *partners]):
+    outputs, metrics = engine.generate(batch)
+    assert {o.request_id: o for o in outputs}["seeded"].output_token_ids == alone
+    check_counters(metrics, outputs, K)
