@@ -6,6 +6,7 @@ from methods.ar import AutoRegressive
 from methods.draft_model import DraftModel
 from methods.eagle import Eagle
 from methods.eagle3 import Eagle3
+from methods.layerskip import LayerSkip
 from methods.medusa import Medusa
 from methods.mtp import MTP
 from methods.ngram import NGram
@@ -21,6 +22,7 @@ METHODS: dict[str, type[Method]] = {
     "eagle3": Eagle3,
     "mtp": MTP,
     "medusa": Medusa,
+    "layerskip": LayerSkip,
 }
 
 
