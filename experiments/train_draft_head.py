@@ -39,6 +39,9 @@ _WARMUP = flags.DEFINE_integer("warmup_steps", 20, "Warm-up steps.")
 _DEPTH = flags.DEFINE_integer("depth", None, "Unrolled training depth (default per head).")
 _MODULES = flags.DEFINE_integer("num_modules", 4, "MTP modules / Medusa heads.")
 _WINDOW = flags.DEFINE_integer("window", 64, "Head attention window.")
+_FEATURE_LAYERS = flags.DEFINE_list(
+    "feature_layers", None, "Target hidden_states taps (default per head); early_exit: "
+    "the exit layer E.")
 _DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", None, "EAGLE-3 reduced vocabulary.")
 _SEED = flags.DEFINE_integer("seed", 0, "Init and batch-order seed.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "Held-out evaluation period.")
@@ -75,6 +78,8 @@ def config_from_flags() -> DraftHeadJob:
       kind=_HEAD.value, steps=_STEPS.value, batch_size=_BATCH.value,
       learning_rate=_LR.value, warmup_steps=_WARMUP.value, depth=_DEPTH.value,
       num_modules=_MODULES.value, window=_WINDOW.value, draft_vocab_size=_DRAFT_VOCAB.value,
+      feature_layers=(None if _FEATURE_LAYERS.value is None
+                      else tuple(int(i) for i in _FEATURE_LAYERS.value)),
       seed=_SEED.value, eval_every=_EVAL_EVERY.value, checkpoint_every=_CKPT_EVERY.value,
       output_dir=_output_dir())
   return DraftHeadJob(target=_TARGET.value, data=_DATA.value, num_prompts=_NUM_PROMPTS.value,

@@ -8,6 +8,7 @@ from methods.draft_model import DraftModel
 from methods.eagle import Eagle
 from methods.eagle3 import Eagle3
 from methods.hsddw import HSDDW
+from methods.layerskip import LayerSkip
 from methods.medusa import Medusa
 from methods.mtp import MTP
 from methods.ngram import NGram
@@ -29,6 +30,7 @@ METHODS: dict[str, type[Method]] = {
     "verify_skip": VerifySkip,
     "suffix": SuffixDecoding,
     "adaptive": Adaptive,
+    "layerskip": LayerSkip,
 }
 
 

@@ -1,4 +1,4 @@
-"""Learned draft heads: EAGLE-1, EAGLE-3, MTP and Medusa (Flax NNX).
+"""Learned draft heads: EAGLE-1, EAGLE-3, MTP, Medusa and the LayerSkip exit adapter (Flax NNX).
 
 Every head reads target features and shares the target's token embedding and LM head
 (EAGLE-3 may instead own a reduced-vocabulary LM head with a draft -> target id map).
@@ -25,6 +25,14 @@ Sources:
     target's last hidden state ``f_i``; it predicts ``x_{i+1+j}`` (the LM head itself
     predicts ``x_{i+1}``). Here the heads reuse the target LM head (Medusa initialises
     its per-head LM heads from it) to keep the heads small.
+  * Early-exit adapter (``kind="early_exit"``, for ``methods.layerskip``): not from a
+    paper. LayerSkip (Elhoushi et al. 2024, arXiv 2404.16710) trains the *target* for
+    early exit (layer dropout, early-exit loss) so that the shared final norm and LM head
+    read layer E's output directly. For a target trained without it this head keeps the
+    target frozen and learns a small map of layer E's raw output ``h`` (HF
+    ``hidden_states[E]``): ``g = (RMSNorm(h) * s) @ W`` with ``s`` ``f32[D]`` (init 1) and
+    ``W`` ``f32[D, D]`` (init identity), then the target's final norm and LM head. At
+    init it gives the plain early exit's logits (up to the norms' eps).
 
 Attention context (the documented choice): the decoder layers of EAGLE and MTP attend
 over a dense *sliding window* of the last ``window`` positions, recomputed from the
@@ -63,6 +71,7 @@ __all__ = [
     "HEAD_KINDS",
     "DraftFn",
     "EagleHead",
+    "EarlyExitHead",
     "HeadConfig",
     "MTPHead",
     "MedusaHead",
@@ -75,7 +84,7 @@ __all__ = [
     "validate_vocab_map",
 ]
 
-HEAD_KINDS = ("eagle", "eagle3", "mtp", "medusa")
+HEAD_KINDS = ("eagle", "eagle3", "mtp", "medusa", "early_exit")
 _NEG = -1e30  # finite mask value: a fully masked (padding) row stays finite
 
 # pick(logits f32[B, V], step j) -> (tokens i32[B], probs f32[B, V] or None)
@@ -103,7 +112,8 @@ class HeadConfig:
     num_heads, num_kv_heads, head_dim, intermediate_size: the head's decoder layer.
     rms_norm_eps, rope_theta, rope_scaling: as the target's.
     feature_layers: target HF ``hidden_states`` indices the head reads, concatenated
-      in this order into F = ``len(feature_layers) * D`` features.
+      in this order into F = ``len(feature_layers) * D`` features (early_exit: ``(E,)``,
+      the exit layer, ``1 <= E < num_layers``).
     num_modules: MTP modules / Medusa heads (the longest chain the head drafts); 1 for
       EAGLE (which drafts any length by feeding itself back).
     window: positions the head's attention sees (EAGLE, MTP); see the module docstring.
@@ -162,8 +172,8 @@ class HeadConfig:
     """
     if kind not in HEAD_KINDS:
       raise ValueError(f"{kind=} must be one of {HEAD_KINDS}")
-    layers = (default_eagle3_layers(target.num_layers) if kind == "eagle3"
-              else (target.num_layers,))
+    layers = {"eagle3": default_eagle3_layers(target.num_layers),
+              "early_exit": (max(1, target.num_layers // 4),)}.get(kind, (target.num_layers,))
     base = dict(
         kind=kind, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
         num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
@@ -182,6 +192,9 @@ class HeadConfig:
     if any(not 0 <= i <= target.num_layers for i in self.feature_layers):
       raise ValueError(f"feature_layers={self.feature_layers} must be in "
                        f"[0, {target.num_layers}] for this target")
+    if self.kind == "early_exit" and not 1 <= self.feature_layers[0] < target.num_layers:
+      raise ValueError(f"early_exit feature_layers={self.feature_layers} (the exit layer E) "
+                       f"must be in [1, {target.num_layers - 1}] for this target")
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -639,6 +652,55 @@ class MedusaHead(nnx.Module):
     return [self.blocks[u](feats) for u in range(depth)]
 
 
+class EarlyExitHead(nnx.Module):
+  """LayerSkip exit adapter (``kind="early_exit"``; see the module docstring).
+
+  ``adapt(h [..., D]) -> g f32[..., D]``; ``exit_logits(target, h) -> f32[..., V]``, the
+  target's final norm and LM head on ``g``. It drafts inside ``methods.layerskip`` (which
+  runs the target's layers ``[0, E)``); the trainer uses the common head interface
+  (``unrolled``, ``train_logits``, ``label_offset``) with depth 1.
+  """
+
+  def __init__(self, cfg: HeadConfig, rng: np.random.Generator):
+    del rng  # deterministic init: the identity map
+    if cfg.kind != "early_exit":
+      raise ValueError(f"kind={cfg.kind!r} must be 'early_exit' for EarlyExitHead")
+    self.cfg = cfg
+    self.scale = _ones((cfg.hidden_size,))
+    self.proj = nnx.Param(jnp.eye(cfg.hidden_size, dtype=jnp.float32))
+
+  @property
+  def exit_layer(self) -> int:
+    return self.cfg.feature_layers[0]
+
+  def adapt(self, h):
+    return jnp.einsum("...D,DE->...E", _norm(h.astype(jnp.float32), self.scale,
+                                             self.cfg.rms_norm_eps), self.proj[...])
+
+  def train_logits(self, target, g, depth: int):
+    tc = target.cfg
+    return target.lm_logits(rms_norm(g, target.final_norm[...], tc.rms_norm_eps,
+                                     tc.norm_plus_one))
+
+  def exit_logits(self, target, h):
+    return self.train_logits(target, self.adapt(h), 0)
+
+  def label_offset(self, depth: int) -> tuple[int, int]:
+    """The exit at position i predicts the target's greedy token after i."""
+    return 0, 0
+
+  def draft_ids(self, target_ids):
+    return target_ids
+
+  def to_target_logits(self, logits):
+    return logits
+
+  def unrolled(self, target, tokens, feats, lengths, depth: int):
+    if depth != 1:
+      raise ValueError(f"{depth=} must be 1 for an early_exit head")
+    return [self.adapt(feats)]
+
+
 # ------------------------------------------------------------------ build / save / load
 def make_head(cfg: HeadConfig, seed: int = 0, draft_to_target=None) -> nnx.Module:
   """A randomly initialised head (numpy init: nothing is compiled).
@@ -651,6 +713,8 @@ def make_head(cfg: HeadConfig, seed: int = 0, draft_to_target=None) -> nnx.Modul
     return EagleHead(cfg, rng, draft_to_target)
   if cfg.kind == "mtp":
     return MTPHead(cfg, rng)
+  if cfg.kind == "early_exit":
+    return EarlyExitHead(cfg, rng)
   return MedusaHead(cfg, rng)
 
 

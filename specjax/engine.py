@@ -473,8 +473,15 @@ class Engine:
         budgets=np.asarray([budgets[i] for i in ids], np.int32), page_indices=table,
         temperature=temp, top_k=top_k, top_p=top_p, keys=keys, new_requests=new,
     )
+    if self.caps.drafts_in_target_kv:  # the method drafts into (and donates) the pool
+      ctx.kv_caches, self.kv_caches = self.kv_caches, None
     t0 = time.perf_counter()
     method_state, draft = self.method.propose(method_state, ctx)
+    if self.caps.drafts_in_target_kv:
+      if draft.kv_caches is None:
+        raise ValueError(f"method {self.method.name!r} declares drafts_in_target_kv and "
+                         "must return the KV pool as Draft.kv_caches")
+      self.kv_caches = draft.kv_caches
     if draft.probs is not None:
       jax.block_until_ready(draft.probs)
     t1 = time.perf_counter()

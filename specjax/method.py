@@ -29,6 +29,11 @@ class Capabilities:
     tree: True if the method drafts trees (``Draft.parents``); informational: the
       engine treats a draft as a tree exactly when it carries ``parents``.
     needs_draft_model: True if the method needs ``--draft``.
+    drafts_in_target_kv: True if the method drafts with the target's own layers into
+      the target's KV pool: ``propose`` gets the pool as ``ProposeContext.kv_caches``
+      (donated: the engine drops its reference) and must hand it back, updated, as
+      ``Draft.kv_caches``. It may write only positions the verify step then overwrites
+      (``[len(tokens) - 1, len(tokens) - 1 + num_tokens)`` of each row; LayerSkip).
   """
 
   runs_on: str = "host"
@@ -36,6 +41,7 @@ class Capabilities:
   target_hidden_layers: tuple[int, ...] = ()
   tree: bool = False
   needs_draft_model: bool = False
+  drafts_in_target_kv: bool = False
 
 
 @dataclasses.dataclass
@@ -51,12 +57,15 @@ class Draft:
       deterministically, e.g. top-k trees).
     parents: optional ``i32[B, L]`` tree parent indices (-1 = child of the pending
       token), parents before children (``specjax.tree``); None for chains.
+    kv_caches: the target KV pool handed back by a ``drafts_in_target_kv`` method
+      (None otherwise).
   """
 
   tokens: np.ndarray
   num_tokens: np.ndarray
   probs: Any = None
   parents: np.ndarray | None = None
+  kv_caches: Any = None
 
 
 @dataclasses.dataclass
@@ -90,6 +99,9 @@ class ProposeContext:
     temperature, top_k, top_p: ``[B]`` sampling arrays of the padded batch.
     keys: ``u32[B, 2]`` request keys.
     new_requests: request ids seen for the first time (or after preemption).
+    kv_caches: the target's KV pool, only for ``Capabilities.drafts_in_target_kv``
+      methods (None otherwise); every committed position but the pending token's holds
+      the target's KV in every layer.
   """
 
   request_ids: list
@@ -101,6 +113,7 @@ class ProposeContext:
   top_p: np.ndarray
   keys: np.ndarray
   new_requests: frozenset = frozenset()
+  kv_caches: Any = None
 
 
 @dataclasses.dataclass

@@ -4,7 +4,9 @@ Each step runs the (frozen) target over a batch of sequences to get its features
 greedy labels, unrolls the head ``depth`` steps (EAGLE-3's training-time test; MTP
 modules; Medusa heads) and minimises the cross-entropy against the target's greedy
 token, weighted ``0.8 ** u`` at depth u (EAGLE-1 adds its smooth-L1 feature loss with
-the paper's 1 : 0.1 regression : classification weighting).
+the paper's 1 : 0.1 regression : classification weighting). The LayerSkip exit adapter
+(``early_exit``) has depth 1: the CE of the target's greedy token at each position
+through the target's final norm and LM head applied to the adapted layer-E state.
 
 Optimiser: ``clip_by_global_norm`` then AdamW with linear warm-up and cosine decay
 (to 10 % of the peak). Batches are a pure function of ``(seed, step)``
@@ -52,11 +54,12 @@ class TrainConfig:
     weight_decay: AdamW decoupled weight decay.
     clip_norm: global gradient-norm clip.
     depth: unrolled draft depth trained per step (EAGLE-3 training-time test; MTP and
-      Medusa train modules/heads 1..depth); None = 1 for EAGLE-1, 3 for EAGLE-3,
-      ``num_modules`` for MTP and Medusa.
+      Medusa train modules/heads 1..depth); None = 1 for EAGLE-1 and early_exit, 3 for
+      EAGLE-3, ``num_modules`` for MTP and Medusa.
     num_modules: MTP modules / Medusa heads.
     window: head attention window (EAGLE, MTP).
-    feature_layers: target taps; None = the kind's default.
+    feature_layers: target taps; None = the kind's default (early_exit: ``(E,)``, the
+      exit layer, default ``num_layers // 4``).
     draft_vocab_size: EAGLE-3 reduced vocabulary (most frequent ids of the training
       data); None = full vocabulary.
     seed: head init, batch order.
@@ -97,6 +100,8 @@ class TrainConfig:
       raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
     if self.depth is not None and self.depth < 1:
       raise ValueError(f"depth={self.depth} must be >= 1")
+    if self.kind == "early_exit" and self.train_depth != 1:
+      raise ValueError(f"depth={self.depth} must be 1 (or None) for kind='early_exit'")
     if self.kind in ("mtp", "medusa") and self.train_depth > self.num_modules:
       raise ValueError(f"depth={self.depth} must be <= num_modules={self.num_modules}")
     if self.feature_layers is not None:
@@ -106,7 +111,7 @@ class TrainConfig:
   def train_depth(self) -> int:
     if self.depth is not None:
       return self.depth
-    return {"eagle": 1, "eagle3": 3}.get(self.kind, self.num_modules)
+    return {"eagle": 1, "eagle3": 3, "early_exit": 1}.get(self.kind, self.num_modules)
 
   def head_config(self, target) -> HeadConfig:
     extra = {"num_modules": self.num_modules} if self.kind in ("mtp", "medusa") else {}
