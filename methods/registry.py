@@ -12,8 +12,8 @@ from methods.layerskip import LayerSkip
 from methods.medusa import Medusa
 from methods.mtp import MTP
 from methods.ngram import NGram
-from methods.verify_skip import VerifySkip
 from methods.suffix import SuffixDecoding
+from methods.verify_skip import VerifySkip
 from specjax.method import Method
 
 __all__ = ["METHODS", "make_method"]
