@@ -39,15 +39,18 @@ __all__ = [
     "DRAFT_SHARDINGS",
     "default_mesh",
     "describe",
+    "init_kv_pool",
     "kv_cache_sharding",
     "loader_placement",
     "make_mesh",
+    "param_sharding_fn",
     "param_spec",
     "parse_mesh",
     "place_state",
     "replica_meshes",
     "replicate",
     "shard_model",
+    "tensor_parallel_of",
 ]
 
 AXES = ("data", "model")
@@ -226,6 +229,14 @@ def shard_model(model, mesh: Mesh, *, replicated: bool = False):
   return SplitModel(cfg, graphdef, nnx.from_flat_state(flat))
 
 
+def param_sharding_fn(cfg, mesh: Mesh, *, replicated: bool = False):
+  """``(path, shape) -> NamedSharding`` of a ``Transformer(cfg)`` parameter (flat-state
+  path, e.g. ``("layers", "q")`` with the stacked shape) on ``mesh``: for
+  ``models.random_weights.random_transformer(shardings=...)``."""
+  spec_of = _spec_fn(cfg, mesh, not replicated)
+  return lambda path, shape: NamedSharding(mesh, spec_of(path, tuple(shape)))
+
+
 def loader_placement(cfg, mesh: Mesh, *, replicated: bool = False):
   """``place(path, value) -> jax.Array`` for ``models.zoo.load_model(place=...)``: each
   loaded tensor goes straight to its shards (no whole-model copy on one device)."""
@@ -239,6 +250,27 @@ def loader_placement(cfg, mesh: Mesh, *, replicated: bool = False):
 def kv_cache_sharding(mesh: Mesh, *, replicated: bool = False) -> NamedSharding:
   """The KV pool ``[num_layers * num_pages, page_size, 2K', H]``: heads on ``model``."""
   return NamedSharding(mesh, P() if replicated else P(None, None, "model", None))
+
+
+def tensor_parallel_of(split) -> TensorParallel | None:
+  """The ``TensorParallel`` layout a ``SplitModel``'s graphdef carries (None: unsharded)."""
+  return getattr(nnx.merge(split.graphdef, split.params), "tensor_parallel", None)
+
+
+def init_kv_pool(split, num_pages: int, page_size: int, mesh: Mesh | None):
+  """The zeroed KV pool of ``split`` (``models.llama.init_kv_caches``), allocated on its
+  shards by a jitted zeros with ``out_shardings`` (as tpu-inference's
+  ``create_kv_caches``): heads on ``model``, repeated when the model axis exceeds K."""
+  from models.llama import init_kv_caches  # noqa: PLC0415
+
+  cfg = split.config
+  if mesh is None:
+    return init_kv_caches(cfg, num_pages, page_size)
+  tp = tensor_parallel_of(split)
+  heads = kv_cache_heads(cfg, tp)
+  out = kv_cache_sharding(mesh, replicated=tp is None)
+  return jax.jit(lambda: init_kv_caches(cfg, num_pages, page_size, num_kv_heads=heads),
+                 out_shardings=out)()
 
 
 def replicate(mesh: Mesh) -> NamedSharding:
