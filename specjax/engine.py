@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
-from specjax.batch import build_batch
 from specjax import sharding
+from specjax.batch import build_batch
 from specjax.commit import commit_rows
 from specjax.config import AUTO_VERIFY_IMPLEMENTATION, EngineConfig
 from specjax.kv_cache import page_table, pages_needed
