@@ -158,9 +158,9 @@ def _scale_layers(df: pd.DataFrame, full: int) -> pd.DataFrame:
   df = pd.concat(out).sort_index()
   df["full_num_layers"] = full
   df["roofline_fraction_scaled"] = df.roofline_ms_scaled / df.step_ms_scaled
-  ar = df[df.L == 0].set_index(["num_layers", "mesh", "batch", "context"]).step_ms_scaled
-  idx = pd.MultiIndex.from_frame(df[["num_layers", "mesh", "batch", "context"]])
-  df["c_scaled"] = df.step_ms_scaled.to_numpy() / ar.reindex(idx).to_numpy()
+  ar = df.step_ms_scaled.where(df.L == 0)
+  df["c_scaled"] = df.step_ms_scaled / ar.groupby(
+      [df.num_layers, df["mesh"], df.batch, df.context]).transform("max")
   return df
 
 
