@@ -17,7 +17,7 @@ mean KV bytes read per step) / the device's read bandwidth measured in the same 
   python -m benchmarks.engine_loop --target=llama3-8b --dtype=bfloat16 \
       --batch_sizes=1,16,64 --contexts=512,4096 --lengths=0,1,2,4,8 --output_dir=$OUT
 
-``--meshes=none,data:1,model:1`` runs the same grid unsharded and on each mesh
+``--mesh=none --mesh=data:1,model:1`` runs the same grid unsharded and on each mesh
 (``specjax.sharding``: weights drawn on their shards, tensor-parallel attention under
 ``shard_map``, KV pool split by heads; a data axis > 1 is not timed here). Rows record
 ``mesh`` and ``replicated``. ``--num_layers=16,32`` builds the target with that many
@@ -261,8 +261,9 @@ _IMPL = flags.DEFINE_list("attention_implementation", ["reference"], "Paged atte
 _LAYERS = flags.DEFINE_enum("layer_execution", "unrolled", ["unrolled", "scan"], "Layers.")
 _PROFILE = flags.DEFINE_boolean("profile", True, "Also measure device busy time per step.")
 _OUT = flags.DEFINE_string("output_dir", "results/engine_loop", "Where CSV and plot go.")
-_MESHES = flags.DEFINE_list("meshes", ["none"], "'none' (unsharded) and/or meshes such as "
-                            "'data:1,model:2' (specjax.sharding.parse_mesh), each timed.")
+_MESHES = flags.DEFINE_multi_string(
+    "mesh", ["none"], "Repeatable: 'none' (unsharded) or a mesh such as 'data:1,model:2' "
+    "(specjax.sharding.parse_mesh); each is timed.")
 _NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the target with "
                                 "(adds columns scaled to the shape's full layer count).")
 
