@@ -16,6 +16,14 @@ mean KV bytes read per step) / the device's read bandwidth measured in the same 
 
   python -m benchmarks.engine_loop --target=llama3-8b --dtype=bfloat16 \
       --batch_sizes=1,16,64 --contexts=512,4096 --lengths=0,1,2,4,8 --output_dir=$OUT
+
+``--mesh=none --mesh=data:1,model:1`` runs the same grid unsharded and on each mesh
+(``specjax.sharding``: weights drawn on their shards, tensor-parallel attention under
+``shard_map``, KV pool split by heads; a data axis > 1 is not timed here). Rows record
+``mesh`` and ``replicated``. ``--num_layers=16,32`` builds the target with that many
+layers (a 70B shape on one GPU) and adds ``*_scaled`` columns for the full
+``full_num_layers``: a straight-line fit of step time against the layer count (one
+count: proportional scaling), marked by ``scaled`` ("linear" / "proportional").
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from absl import app, flags
 from benchmarks.device_time import device_busy_seconds
 from benchmarks.step_cost import _kv_bytes, _param_bytes
 from models.shapes import SHAPES
+from specjax import sharding
 from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine
 from specjax.method import Capabilities, Draft, Method
@@ -78,12 +87,18 @@ def read_bandwidth(num_bytes: int = 2 << 30, reps: int = 10) -> float:
   return num_bytes / float(np.median(times))
 
 
-def _target(name: str, dtype: str):
+def _target(name: str, dtype: str, num_layers: int | None = None, mesh=None):
+  """``(cfg, model)``; random weights are drawn on their shards when ``mesh`` is set."""
   if name in SHAPES:  # random weights (models.shapes)
     from models.random_weights import random_transformer
 
     cfg = dataclasses.replace(SHAPES[name], dtype=dtype)
-    return cfg, random_transformer(cfg, 0)
+    if num_layers is not None:
+      cfg = dataclasses.replace(cfg, num_layers=num_layers)
+    place = None if mesh is None else sharding.param_sharding_fn(cfg, mesh)
+    return cfg, random_transformer(cfg, 0, shardings=place)
+  if num_layers is not None:
+    raise ValueError(f"--num_layers needs a models.shapes target, not {name!r}")
   from models.zoo import load_model
 
   loaded = load_model(name, dtype)
@@ -92,13 +107,67 @@ def _target(name: str, dtype: str):
 
 def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                     new_tokens: int, attention_implementation, profile: bool,
-                    layer_execution: str = "unrolled", log=print) -> pd.DataFrame:
-  """One row per (batch, context, L); see the module docstring. ``target`` is a
-  ``SHAPES`` name (random weights) or a ``models.zoo`` model (real weights)."""
-  cfg, model = _target(target, dtype)
-  split = split_model(model, unroll_layers=layer_execution == "unrolled")
+                    layer_execution: str = "unrolled", meshes=("none",), num_layers=None,
+                    log=print) -> pd.DataFrame:
+  """One row per (num_layers, mesh, batch, context, L); see the module docstring.
+  ``target`` is a ``SHAPES`` name (random weights) or a ``models.zoo`` model (real
+  weights); ``meshes`` holds "none" and/or ``specjax.sharding.parse_mesh`` strings."""
   bw = read_bandwidth() if jax.default_backend() != "cpu" else float("nan")
   log(f"read bandwidth {bw / 1e9:.0f} GB/s on {jax.devices()[0].device_kind}")
+  frames = []
+  for layers in (num_layers or [None]):
+    for mesh_text in meshes:
+      mesh = None if mesh_text == "none" else sharding.make_mesh(mesh_text)
+      if mesh is not None and mesh.shape["data"] != 1:
+        raise ValueError(f"mesh={mesh_text!r}: the engine loop times one replica (data:1)")
+      cfg, model = _target(target, dtype, layers, mesh)
+      split = split_model(model, unroll_layers=layer_execution == "unrolled")
+      del model  # the stacked copy (unrolled layers are their own arrays)
+      if mesh is not None:
+        split = sharding.shard_model(split, mesh)
+      df = _grid(cfg, split, mesh, bw, target=target, dtype=dtype, batch_sizes=batch_sizes,
+                 contexts=contexts, lengths=lengths, new_tokens=new_tokens,
+                 attention_implementation=attention_implementation, profile=profile,
+                 layer_execution=layer_execution, log=log)
+      df.insert(2, "num_layers", cfg.num_layers)
+      frames.append(df)
+      del split
+  df = pd.concat(frames, ignore_index=True)
+  if num_layers:
+    df = _scale_layers(df, SHAPES[target].num_layers)
+  return df
+
+
+def _scale_layers(df: pd.DataFrame, full: int) -> pd.DataFrame:
+  """Adds ``step_ms_scaled`` etc. for ``full`` layers (marked ``scaled``)."""
+  keys = ["mesh", "batch", "context", "L"]
+  out = []
+  for _, g in df.groupby(keys, sort=False):
+    g = g.copy()
+    n = g.num_layers.to_numpy(float)
+    if len(set(n)) > 1:
+      slope, icept = np.polyfit(n, g.step_ms.to_numpy(float), 1)
+      rslope, ricept = np.polyfit(n, g.roofline_ms.to_numpy(float), 1)
+      g["step_ms_scaled"], g["roofline_ms_scaled"] = icept + slope * full, ricept + rslope * full
+      g["per_layer_ms"], g["scaled"] = slope, "linear"
+    else:
+      g["step_ms_scaled"] = g.step_ms * full / n
+      g["roofline_ms_scaled"] = g.roofline_ms * full / n
+      g["per_layer_ms"], g["scaled"] = g.step_ms / n, "proportional"
+    out.append(g)
+  df = pd.concat(out).sort_index()
+  df["full_num_layers"] = full
+  df["roofline_fraction_scaled"] = df.roofline_ms_scaled / df.step_ms_scaled
+  ar = df.step_ms_scaled.where(df.L == 0)
+  df["c_scaled"] = df.step_ms_scaled / ar.groupby(
+      [df.num_layers, df["mesh"], df.batch, df.context]).transform("max")
+  return df
+
+
+def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths, new_tokens,
+          attention_implementation, profile, layer_execution, log) -> pd.DataFrame:
+  """The (batch, context, L) rows of one placed model."""
+  placement = sharding.describe(mesh, cfg=cfg)
   rng = np.random.default_rng(0)
   rows = []
   for batch in batch_sizes:
@@ -111,7 +180,7 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
             max_num_seqs=batch, max_model_len=context + new_tokens + max(lengths) + 16,
             attention_implementation=attention_implementation,
             max_num_batched_tokens=max(512, min(8192, batch * context)),
-            synthetic_acceptance=(1.0,) if length else None)
+            synthetic_acceptance=(1.0,) if length else None, mesh=mesh)
         method = ConstantDrafter(k=length) if length else _ar()
         engine = Engine(split, method, ecfg)
         sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
@@ -141,10 +210,11 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
             prefill_s=met.prefill_s, num_compiles=met.num_compiles,
             device=jax.devices()[0].device_kind, backend=jax.default_backend(),
             attention_implementation=str(attention_implementation),
-            layer_execution=layer_execution, jax_version=jax.__version__))
+            layer_execution=layer_execution, jax_version=jax.__version__, **placement))
         log(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                      for k, v in rows[-1].items() if k in (
-                         "batch", "context", "L", "step_ms", "device_ms", "roofline_fraction",
+                         "mesh", "batch", "context", "L", "step_ms", "device_ms",
+                         "roofline_fraction",
                          "c", "tokens_per_s", "step_over_device")))
   return pd.DataFrame(rows)
 
@@ -163,16 +233,16 @@ def plot(df: pd.DataFrame, path: str) -> None:
   import matplotlib.pyplot as plt
 
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  for (batch, ctx), g in df.groupby(["batch", "context"]):
+  for (mesh, layers, batch, ctx), g in df.groupby(["mesh", "num_layers", "batch", "context"]):
     g = g.sort_values("L")
-    axes[0].plot(g.L, g.c, marker="o", label=f"B={batch}, ctx={ctx}")
+    axes[0].plot(g.L, g.c, marker="o", label=f"{mesh} {layers}L B={batch}, ctx={ctx}")
   axes[0].axhline(1.0, color="gray", lw=0.5)
   axes[0].set(xlabel="draft length L (verify width L + 1)", ylabel="c = SD step / AR step",
               title="engine-level c(L), synthetic acceptance")
   axes[0].legend(fontsize=7)
   ar = df[df.L == 0]
-  for ctx, g in ar.groupby("context"):
-    axes[1].plot(g.batch, g.roofline_fraction, marker="o", label=f"ctx={ctx}")
+  for (mesh, layers, ctx), g in ar.groupby(["mesh", "num_layers", "context"]):
+    axes[1].plot(g.batch, g.roofline_fraction, marker="o", label=f"{mesh} {layers}L ctx={ctx}")
   axes[1].set(xscale="log", xlabel="batch", ylabel="HBM roofline / AR engine step",
               title="AR engine step vs HBM roofline", ylim=(0, 1.05))
   axes[1].legend()
@@ -191,6 +261,11 @@ _IMPL = flags.DEFINE_list("attention_implementation", ["reference"], "Paged atte
 _LAYERS = flags.DEFINE_enum("layer_execution", "unrolled", ["unrolled", "scan"], "Layers.")
 _PROFILE = flags.DEFINE_boolean("profile", True, "Also measure device busy time per step.")
 _OUT = flags.DEFINE_string("output_dir", "results/engine_loop", "Where CSV and plot go.")
+_MESHES = flags.DEFINE_multi_string(
+    "mesh", ["none"], "Repeatable: 'none' (unsharded) or a mesh such as 'data:1,model:2' "
+    "(specjax.sharding.parse_mesh); each is timed.")
+_NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the target with "
+                                "(adds columns scaled to the shape's full layer count).")
 
 
 def main(argv):
@@ -200,7 +275,8 @@ def main(argv):
       target=_TARGET.value, dtype=_DTYPE.value, batch_sizes=[int(b) for b in _BATCH.value],
       contexts=[int(c) for c in _CTX.value], lengths=[int(v) for v in _L.value],
       new_tokens=_NEW.value, attention_implementation=impl[0] if len(impl) == 1 else impl,
-      profile=_PROFILE.value, layer_execution=_LAYERS.value)
+      profile=_PROFILE.value, layer_execution=_LAYERS.value, meshes=_MESHES.value,
+      num_layers=[int(n) for n in _NUM_LAYERS.value] if _NUM_LAYERS.value else None)
   os.makedirs(_OUT.value, exist_ok=True)
   df.to_csv(os.path.join(_OUT.value, "engine_loop.csv"), index=False)
   plot(df, os.path.join(_OUT.value, "engine_loop.png"))

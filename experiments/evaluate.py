@@ -88,6 +88,12 @@ _PRECISION = flags.DEFINE_enum(
     "jax.default_matmul_precision for every pass (default 'highest': "
     "full-f32 matmuls on GPUs, for a token-exact lossless check.")
 
+_MESH = flags.DEFINE_string(
+    "mesh", "none", "'none' or a one-replica device mesh such as 'data:1,model:2' "
+    "(specjax.sharding; tensor-parallel target, KV pool split by KV heads).")
+_DRAFT_SHARDING = flags.DEFINE_enum(
+    "draft_sharding", "replicated", ["replicated", "sharded"],
+    "Draft model / learned head placement on the mesh.")
 _BATCHED = flags.DEFINE_integer(
     "max_num_batched_tokens", 512, "Prefill token budget per engine iteration (chunked prefill).")
 _CACHE = flags.DEFINE_boolean(
@@ -156,6 +162,7 @@ def config_from_flags() -> EvalConfig:
       matmul_precision=_PRECISION.value,
       max_num_batched_tokens=_BATCHED.value,
       compilation_cache=_CACHE.value,
+      mesh=_MESH.value, draft_sharding=_DRAFT_SHARDING.value,
   )
 
 

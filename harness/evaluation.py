@@ -53,6 +53,7 @@ from methods.registry import METHODS, make_method
 from models.zoo import is_random_name
 from pallas_kernels.paged_attention import implementations_used, resolve_implementation
 from pallas_kernels.verify import implementations_used as verify_implementations_used
+from specjax import sharding
 from specjax.compile_cache import enable_compilation_cache
 from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine, bucket
@@ -153,6 +154,9 @@ class EvalConfig:
       (T = k + 1) and AR steps (T = 1) can round differently and flip near-tied greedy
       tokens); CPUs compute f32 in f32 either way.
     max_num_batched_tokens: ``EngineConfig.max_num_batched_tokens`` (prefill chunk budget).
+    mesh: "none", or a one-replica mesh such as "data:1,model:2" (``specjax.sharding``);
+      ``draft_sharding``: ``EngineConfig.draft_sharding``. Rows get ``mesh``,
+      ``mesh_devices`` and ``replicated``.
     compilation_cache: use JAX's persistent compilation cache
       (``specjax.compile_cache``; ``$SPECJAX_CACHE/jax_compilation_cache``).
   """
@@ -185,6 +189,8 @@ class EvalConfig:
   ignore_eos: bool | None = None
   matmul_precision: str | None = "highest"
   max_num_batched_tokens: int = 512
+  mesh: str = "none"
+  draft_sharding: str = "replicated"
   compilation_cache: bool = True
 
   def __post_init__(self):
@@ -436,6 +442,7 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   t_loaded = time.perf_counter()
 
   device = jax.devices()[0]
+  mesh = None if cfg.mesh == "none" else sharding.make_mesh(cfg.mesh)
   static = {
       "model": cfg.target,
       "dataset": cfg.dataset,
@@ -453,6 +460,7 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
                                    if isinstance(cfg.attention_implementation, tuple)
                                    else cfg.attention_implementation),
       "jax_version": jax.__version__,
+      **sharding.describe(mesh, cfg.draft_sharding, target_split.config),
       "layer_execution": cfg.layer_execution,
       "matmul_precision": cfg.matmul_precision or "default",
       "input_len": cfg.input_len,
@@ -480,7 +488,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
           max_num_seqs=batch, max_model_len=max_model_len, page_size=cfg.page_size,
           attention_implementation=cfg.attention_implementation,
           verify_implementation=cfg.verify_implementation, seed=cfg.seed,
-          max_num_batched_tokens=cfg.max_num_batched_tokens,
+          max_num_batched_tokens=cfg.max_num_batched_tokens, mesh=mesh,
+          draft_sharding=cfg.draft_sharding,
       )
       engines = {
           name: Engine(target_split, method, engine_cfg,

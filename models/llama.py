@@ -51,8 +51,10 @@ __all__ = [
     "DecoderLayer",
     "ModelOutput",
     "StackedDecoderLayers",
+    "TensorParallel",
     "Transformer",
     "init_kv_caches",
+    "kv_cache_heads",
     "unstack_layer_params",
 ]
 
@@ -69,6 +71,45 @@ class ModelOutput(NamedTuple):
 
   logits: jax.Array
   hidden: tuple[jax.Array, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+  """How a ``Transformer``'s attention is partitioned over one mesh axis (static).
+
+  Set on a model by ``specjax.sharding.shard_model`` (``model.tensor_parallel``), which
+  also places the weights column/row-parallel on ``axis``; the model then runs each
+  layer's KV write and paged attention under ``jax.shard_map`` over ``axis``: every
+  device gets ``N / m`` query heads and the ``K' / m`` KV heads they read (``m`` the
+  axis size, ``K'`` the cache's KV heads). Everything else is left to GSPMD, which
+  follows the weights' ``NamedSharding`` s. When ``m > K`` the cache holds each KV head
+  ``m / K`` times (``K' = m``; ``specjax.sharding.kv_cache_heads``) and the step repeats
+  k and v before writing them (tpu-inference does the same): the KV pool then costs
+  ``m / K`` times the memory of an unreplicated one and each device projects all ``K``
+  heads' k and v.
+
+  Attributes:
+    mesh: a ``jax.sharding.Mesh`` holding ``axis``.
+    axis: the tensor-parallel mesh axis name.
+  """
+
+  mesh: jax.sharding.Mesh
+  axis: str = "model"
+
+  @property
+  def size(self) -> int:
+    return int(self.mesh.shape[self.axis])
+
+  def heads_map(self, fn, *head_args, replicated=()):
+    """``jax.shard_map(fn)`` with ``head_args`` (each ``[.., .., heads, H]``) split on
+    their head axis and ``replicated`` (a pytree) whole on every device; ``fn``
+    returns a tuple of head-split arrays."""
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    heads = P(None, None, self.axis, None)
+
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=(*(heads,) * len(head_args), P()),
+                         out_specs=heads, check_vma=False)(*head_args, replicated)
 
 
 def _dtype(cfg: ModelConfig):
@@ -118,7 +159,8 @@ def _attention_config(cfg: ModelConfig, layer: int):
 
 def _decoder_block(cfg: ModelConfig, layer: int | jax.Array, p: Mapping[str, jax.Array],
                    x: jax.Array, kv_pages: jax.Array, meta: AttentionMetadata,
-                   positions: jax.Array, implementation) -> tuple[jax.Array, jax.Array]:
+                   positions: jax.Array, implementation,
+                   tp: TensorParallel | None = None) -> tuple[jax.Array, jax.Array]:
   """One decoder layer; ``layer`` picks the sliding window and RoPE base only.
 
   Args:
@@ -133,6 +175,9 @@ def _decoder_block(cfg: ModelConfig, layer: int | jax.Array, p: Mapping[str, jax
     meta: page table and lengths.
     positions: ``i32[B, T]`` absolute query positions.
     implementation: paged-attention implementation(s).
+    tp: None, or the ``TensorParallel`` layout: the KV write and attention then run
+      under ``shard_map`` over its axis, and a pool with ``r * K`` KV heads (``r > 1``)
+      gets each head's k and v ``r`` times.
 
   Returns:
     ``(x, kv_pages)`` after the layer.
@@ -148,7 +193,7 @@ def _decoder_block(cfg: ModelConfig, layer: int | jax.Array, p: Mapping[str, jax
     q = rms_norm(q, p["q_norm"], eps, p1)
     k = rms_norm(k, p["k_norm"], eps, p1)
 
-  def attend(window, q, kv_pages):
+  def attend(window, meta, q, kv_pages):
     return paged_attention(
         q, kv_pages, meta.page_indices, meta.kv_lens, meta.q_lens, sm_scale=cfg.sm_scale,
         sliding_window=window, tree_mask=meta.tree_mask, positions=meta.positions,
@@ -166,12 +211,23 @@ def _decoder_block(cfg: ModelConfig, layer: int | jax.Array, p: Mapping[str, jax
     inv_freq = jnp.where(local, inv_l, inv_g)
   q = apply_rope(q, positions, inv_freq)
   k = apply_rope(k, positions, inv_freq)
-  kv_pages = write_kv(kv_pages, k, v, meta.page_indices, meta.kv_lens, meta.q_lens)
-  if static:
-    attn = attend(window, q, kv_pages)
+  repeat = kv_pages.shape[2] // (2 * cfg.num_kv_heads)
+  if repeat > 1:  # m > K: every device holds (copies of) the one KV head its q heads read
+    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+
+  def write_and_attend(q, k, v, kv_pages, shared):
+    meta, local = shared
+    kv_pages = write_kv(kv_pages, k, v, meta.page_indices, meta.kv_lens, meta.q_lens)
+    if static:
+      return attend(window, meta, q, kv_pages), kv_pages
+    return jax.lax.cond(local, functools.partial(attend, window_l, meta),
+                        functools.partial(attend, window_g, meta), q, kv_pages), kv_pages
+
+  shared = (meta, None if static else local)
+  if tp is None:
+    attn, kv_pages = write_and_attend(q, k, v, kv_pages, shared)
   else:
-    attn = jax.lax.cond(local, functools.partial(attend, window_l),
-                        functools.partial(attend, window_g), q, kv_pages)
+    attn, kv_pages = tp.heads_map(write_and_attend, q, k, v, kv_pages, replicated=shared)
   # Contract over N*H as one axis: XLA CPU turned "BTNH,NHD->BTD" into a transposing copy
   # of the whole o weight every step (slower than the matmul itself).
   out = project("BTE,ED->BTD", attn.reshape(*attn.shape[:2], -1),
@@ -246,7 +302,13 @@ class StackedDecoderLayers(nnx.Module):
 class Transformer(nnx.Module):
   """Decoder-only LM. Parameters are stored einsum-ready (``q: [D, N, H]``, ``o: [N, H, D]``,
   ``embed: [V, D]``, ``lm_head: [D, V]`` when untied); layer parameters carry a leading
-  ``num_layers`` axis (``layers.q: [num_layers, D, N, H]``)."""
+  ``num_layers`` axis (``layers.q: [num_layers, D, N, H]``).
+
+  ``tensor_parallel`` (a static attribute, None unless ``specjax.sharding.shard_model``
+  set a ``TensorParallel``) runs the attention of every layer under ``shard_map``.
+  """
+
+  tensor_parallel: TensorParallel | None = None
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -351,11 +413,13 @@ class Transformer(nnx.Module):
       if not start <= i <= stop:
         raise ValueError(f"hidden layer {i=} must be in [{start}, {stop}] "
                          f"({layer_range=}, {num_layers=})")
+    tp = self.tensor_parallel
+    heads = 2 * kv_cache_heads(cfg, tp)
     shape = getattr(kv_caches, "shape", None)
     if (shape is None or len(shape) != 4 or shape[0] % num_layers
-        or shape[2:] != (2 * cfg.num_kv_heads, cfg.head_dim)):
+        or shape[2:] != (heads, cfg.head_dim)):
       raise ValueError(f"kv_caches must be one [num_layers * num_pages, page_size, "
-                       f"{2 * cfg.num_kv_heads}, {cfg.head_dim}] array from init_kv_caches "
+                       f"{heads}, {cfg.head_dim}] array from init_kv_caches "
                        f"({num_layers=}); got {shape or type(kv_caches).__name__}")
     if hidden_states is None:
       if start > 0:
@@ -396,7 +460,7 @@ class Transformer(nnx.Module):
       for layer in range(start, stop):
         p = {n: w[layer] for n, w in stacked.items()}
         x, pool = _decoder_block(cfg, layer, p, x, pool, layer_meta(layer), positions,
-                                 implementation)
+                                 implementation, tp)
         if layer + 1 in hidden_layers and layer + 1 < num_layers:
           hidden[layer + 1] = x
       return self._head(x, stop, hidden, hidden_layers, logits_indices, pool)
@@ -420,7 +484,7 @@ class Transformer(nnx.Module):
       if p is None:  # a partial range: index this layer out of the whole stack
         p = {n: w[layer] for n, w in stacked.items()}
       x, pool = _decoder_block(cfg, 0 if uniform else layer, p, x, pool, layer_meta(layer),
-                               positions, implementation)
+                               positions, implementation, tp)
       if collect:
         buf = jax.lax.dynamic_update_index_in_dim(buf, x, jnp.asarray(slot_of)[layer], 0)
       return (x, pool, buf), None
@@ -487,7 +551,25 @@ def unstack_layer_params(state: nnx.State) -> nnx.State:
   return out
 
 
-def init_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> jax.Array:
+def kv_cache_heads(cfg: ModelConfig, tp: TensorParallel | None = None) -> int:
+  """KV heads the pool stores: ``K``, or the tensor-parallel size ``m`` when ``m > K``
+  (each head then stored ``m / K`` times; see ``TensorParallel``).
+
+  Raises:
+    ValueError: ``m`` and ``K`` do not divide one another, or ``N`` is not a multiple
+      of ``m``.
+  """
+  k, m = cfg.num_kv_heads, 1 if tp is None else tp.size
+  if k % m and m % k:
+    raise ValueError(f"tensor-parallel size {m} and num_kv_heads={k} must divide one another")
+  if cfg.num_heads % m:
+    raise ValueError(f"num_heads={cfg.num_heads} must be a multiple of the tensor-parallel "
+                     f"size {m}")
+  return max(k, m)
+
+
+def init_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None,
+                   num_kv_heads: int | None = None) -> jax.Array:
   """Zeroed paged KV caches of all layers, stacked on the page axis.
 
   Returns ``[num_layers * num_pages, page_size, 2K, H]``: layer ``l``'s cache, in the
@@ -496,6 +578,7 @@ def init_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None)
   num_pages, page_size, 2K, H)[l]``). One page table addresses the same page ids in
   every layer. Pass the whole array to ``Transformer.__call__`` (donated in the jitted
   steps); it is one array, not a list, so the layer scan updates it in place.
+  ``num_kv_heads`` overrides ``K`` (``kv_cache_heads`` of a tensor-parallel model).
   """
-  shape = kv_cache_shape(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+  shape = kv_cache_shape(num_pages, page_size, num_kv_heads or cfg.num_kv_heads, cfg.head_dim)
   return jnp.zeros((cfg.num_layers * shape[0], *shape[1:]), dtype or _dtype(cfg))

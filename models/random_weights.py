@@ -17,7 +17,6 @@ Values (the same seed gives the same layer ``i`` whatever ``num_layers`` is):
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -75,8 +74,7 @@ def _abstract(cfg: ModelConfig):
   return graphdef, dict(nnx.to_flat_state(abstract))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _init(cfg: ModelConfig, key: jax.Array):
+def _init_values(cfg: ModelConfig, key: jax.Array):
   """``(top-level values by name, stacked layer values by name)`` of ``Transformer(cfg)``."""
   _, flat = _abstract(cfg)
   assert all(len(path) == 1 for path in flat if path[0] != "layers"), list(flat)
@@ -89,13 +87,19 @@ def _init(cfg: ModelConfig, key: jax.Array):
   return _draw_group(top_key, top, cfg), layers
 
 
-def random_transformer(cfg: ModelConfig, seed: int = 0) -> Transformer:
+_init = jax.jit(_init_values, static_argnums=0)
+
+
+def random_transformer(cfg: ModelConfig, seed: int = 0, shardings=None) -> Transformer:
   """A ``Transformer`` of config ``cfg`` with seeded random weights on the default device.
 
   Args:
     cfg: the architecture; parameters are created in ``cfg.dtype``.
     seed: any int; the weights are a deterministic function of it and ``cfg`` (layer
       ``i``'s do not depend on ``num_layers``).
+    shardings: None (the default device), or ``(path, shape) -> jax.sharding.Sharding``
+      (e.g. ``specjax.sharding.param_sharding_fn``): each parameter is drawn directly
+      on its shards (the jitted init's ``out_shardings``), never whole on one device.
 
   Returns:
     The model, layer parameters stacked as after loading (``unstack_layer_params``
@@ -107,7 +111,15 @@ def random_transformer(cfg: ModelConfig, seed: int = 0) -> Transformer:
   if not isinstance(seed, int) or isinstance(seed, bool):
     raise ValueError(f"{seed=} must be an int")
   graphdef, flat = _abstract(cfg)
-  top, layers = _init(cfg, jax.random.key(seed))  # compiled once per config
+  if shardings is None:
+    top, layers = _init(cfg, jax.random.key(seed))  # compiled once per config
+  else:
+    out = ({path[0]: shardings(path, var.get_value().shape)
+            for path, var in flat.items() if path[0] != "layers"},
+           {path[1]: shardings(path, var.get_value().shape)
+            for path, var in flat.items() if path[0] == "layers"})
+    top, layers = jax.jit(_init_values, static_argnums=0, out_shardings=out)(
+        cfg, jax.random.key(seed))
   state = nnx.from_flat_state({
       path: var.replace(layers[path[1]] if path[0] == "layers" else top[path[0]])
       for path, var in flat.items()})

@@ -117,6 +117,14 @@ class EngineConfig:
       draft and target (vLLM's synthetic rejection sampling); for timing the engine loop
       on random weights. Outputs are NOT lossless.
     seed: engine seed for requests without their own.
+    mesh: None (one device, no sharding), or a ``("data", "model")``
+      ``jax.sharding.Mesh`` of data size 1 (``specjax.sharding.make_mesh``): the target
+      is placed by ``specjax.sharding.shard_model`` (tensor-parallel on ``model``), the
+      KV pool split by KV heads, and the jitted step follows those input shardings.
+      Several replicas (data > 1) run through ``specjax.data_parallel``.
+    draft_sharding: "replicated" (default: a draft model and a learned head are whole
+      on every device of the mesh) or "sharded" (by the target's rules, attention of a
+      draft model under ``shard_map`` too).
   """
 
   max_num_seqs: int = 8
@@ -130,8 +138,18 @@ class EngineConfig:
   async_scheduling: bool = True
   synthetic_acceptance: tuple[float, ...] | None = None
   seed: int = 0
+  mesh: object = None
+  draft_sharding: str = "replicated"
 
   def __post_init__(self):
+    if self.draft_sharding not in ("replicated", "sharded"):
+      raise ValueError(f"draft_sharding={self.draft_sharding!r} must be 'replicated' or "
+                       "'sharded'")
+    if self.mesh is not None and (tuple(getattr(self.mesh, "axis_names", ())) != ("data", "model")
+                                  or self.mesh.shape["data"] != 1):
+      raise ValueError(f"mesh={self.mesh!r} must be a ('data', 'model') jax Mesh with data "
+                       "size 1 (specjax.sharding.make_mesh; data > 1 runs through "
+                       "specjax.data_parallel)")
     if self.verify_implementation not in (None, "auto"):
       from pallas_kernels.verify import IMPLEMENTATIONS  # noqa: PLC0415
 

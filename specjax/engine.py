@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.llama import init_kv_caches
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
+from specjax import sharding
 from specjax.batch import build_batch
 from specjax.commit import commit_rows
 from specjax.config import AUTO_VERIFY_IMPLEMENTATION, EngineConfig
@@ -91,6 +91,18 @@ class Engine:
     self.draft = None
     if draft is not None:
       self.draft = draft if isinstance(draft, SplitModel) else split_model(draft)
+    self.mesh = config.mesh
+    if self.mesh is not None:
+      self.target = sharding.shard_model(self.target, self.mesh)
+      if self.draft is not None:
+        self.draft = sharding.shard_model(
+            self.draft, self.mesh, replicated=config.draft_sharding == "replicated")
+        k, m = self.draft.config.num_kv_heads, self.mesh.shape["model"]
+        if config.draft_sharding == "sharded" and k % m:
+          raise ValueError(f"draft_sharding='sharded' needs the draft's num_kv_heads={k} to "
+                           f"be a multiple of the model axis size {m} (its method allocates "
+                           "an unrepeated KV pool); use draft_sharding='replicated'")
+    if draft is not None:
       if self.draft.config.vocab_size != self.target.config.vocab_size:
         raise ValueError(
             f"draft vocab_size={self.draft.config.vocab_size} must equal target "
@@ -102,10 +114,12 @@ class Engine:
     self.decode = decode
     self.k = method.num_speculative_tokens
     CompileMonitor.install()
-    self.kv_caches = init_kv_caches(self.target.config, config.total_pages, config.page_size)
+    self.kv_caches = sharding.init_kv_pool(self.target, config.total_pages, config.page_size,
+                                           self.mesh)
     cfg = self.target.config
     itemsize = jnp.dtype(self.kv_caches.dtype).itemsize
-    self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    # The pool's own head count: KV heads repeated under tensor parallelism cost memory.
+    self.kv_bytes_per_token = cfg.num_layers * self.kv_caches.shape[2] * cfg.head_dim * itemsize
     self._prev_last = jnp.zeros(config.max_num_seqs, jnp.int32)
     self.runtime = RuntimeInfo(
         target=self.target, draft=self.draft, num_pages=config.total_pages,
@@ -273,6 +287,9 @@ class Engine:
       states.append(st)
       sched.add(st)
     method_state = self.method.init_state(self.runtime)
+    if self.mesh is not None:  # a draft's KV pool, a head's weights: onto the mesh
+      method_state = sharding.place_state(method_state, self.mesh, self.target.config,
+                                          sharded=cfg.draft_sharding == "sharded")
     metrics = RunMetrics(kv_bytes_per_token=self.kv_bytes_per_token)
     c0, s0 = CompileMonitor.snapshot()
     start = time.perf_counter()

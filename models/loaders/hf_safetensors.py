@@ -365,7 +365,8 @@ def _ignored(name: str) -> bool:
   return name.endswith("rotary_emb.inv_freq")
 
 
-def model_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Transformer:
+def model_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
+                          place=None) -> Transformer:
   """Builds a ``Transformer`` from HF-named tensors without random initialization.
 
   Args:
@@ -374,6 +375,9 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -
       ``cfg.dtype``). With tied embeddings an ``lm_head.weight`` may be present; it is
       shape-checked and ignored (the model reuses ``embed``). ``*rotary_emb.inv_freq``
       buffers are ignored.
+    place: None (``jnp.asarray``: the default device), or ``(path, host array) ->
+      jax.Array`` (``specjax.sharding.loader_placement``), called once per parameter
+      (stacked layers: once per stack) so each goes straight to its shards.
 
   Returns:
     The module with every parameter set from ``tensors``.
@@ -425,7 +429,7 @@ def model_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -
   for path, layers in filled.items():
     assert sorted(layers) == list(range(cfg.num_layers)), (path, layers)
   for path, value in buffers.items():
-    flat[path] = flat[path].replace(jnp.asarray(value))
+    flat[path] = flat[path].replace(jnp.asarray(value) if place is None else place(path, value))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
