@@ -9,6 +9,7 @@ from methods.eagle3 import Eagle3
 from methods.medusa import Medusa
 from methods.mtp import MTP
 from methods.ngram import NGram
+from methods.svip import Svip
 from specjax.method import Method
 
 __all__ = ["METHODS", "make_method"]
@@ -21,6 +22,7 @@ METHODS: dict[str, type[Method]] = {
     "eagle3": Eagle3,
     "mtp": MTP,
     "medusa": Medusa,
+    "svip": Svip,
 }
 
 
