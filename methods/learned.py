@@ -36,15 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.heads import HeadConfig, load_head, make_head
 from methods.draft_model import entropy_nats
+from models.heads import HeadConfig, load_head, make_head
 from specjax.method import Capabilities, Draft, Method, PrefillResult, VerifyResult
 from specjax.sampling import (
-    STREAM_DRAFT,
-    is_greedy,
-    position_keys,
-    processed_probs,
-    sample_from_probs,
+  STREAM_DRAFT,
+  is_greedy,
+  position_keys,
+  processed_probs,
+  sample_from_probs,
 )
 
 __all__ = ["LearnedHeadMethod", "head_draft_step", "head_tree_step"]

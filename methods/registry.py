@@ -9,7 +9,9 @@ from methods.eagle3 import Eagle3
 from methods.medusa import Medusa
 from methods.mtp import MTP
 from methods.ngram import NGram
+from methods.sv import SpeculativeVerification
 from methods.svip import Svip
+from methods.turbospec import TurboSpec
 from specjax.method import Method
 
 __all__ = ["METHODS", "make_method"]
@@ -23,6 +25,8 @@ METHODS: dict[str, type[Method]] = {
     "mtp": MTP,
     "medusa": Medusa,
     "svip": Svip,
+    "turbospec": TurboSpec,
+    "sv": SpeculativeVerification,
 }
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
 from methods.wrapped import WrappedDrafter
 
 __all__ = ["Svip", "svip_stop_entropy"]
