@@ -44,7 +44,7 @@ def test_stop_rule_and_greedy_equals_ar(svip_engine, draft, reference, monkeypat
     return state, d
 
   monkeypatch.setattr(draft_model_mod.DraftModel, "propose", spy)
-  for seed, n in ((1, 1), (3, 8)):
+  for seed, n in ((3, 8),):
     requests = make_requests(seed, n)
     seen.clear()
     outputs, metrics = svip_engine.generate(requests)
@@ -64,6 +64,7 @@ def test_stop_rule_and_greedy_equals_ar(svip_engine, draft, reference, monkeypat
   assert min(lengths) < K and max(lengths) == K, lengths  # ragged: both kinds of rows
 
 
+@pytest.mark.slow  # compiles; CI keeps the stop-rule and oracle tests
 def test_stops_inside_accepted_runs(svip_engine, reference):
   requests = make_requests(7, 6, prompt_len=(2, 8), max_tokens=(3, 12))
   expected = reference(requests)
@@ -71,7 +72,7 @@ def test_stops_inside_accepted_runs(svip_engine, reference):
   requests = [Request(r.request_id, r.prompt_token_ids,
                       SamplingParams(max_tokens=r.sampling.max_tokens, stop_token_ids=eos[:1]))
               for r in requests]
-  outputs, metrics = svip_engine.generate(requests, )
+  outputs, metrics = svip_engine.generate(requests)
   want = reference(requests)
   assert [o.output_token_ids for o in outputs] == want
   assert any(o.finish_reason == "stop" for o in outputs)
@@ -88,20 +89,22 @@ SEEDED = Request("seeded", (7, 21, 3, 30, 12, 44, 8),
                  SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12))
 
 
+@pytest.mark.slow  # compiles; CI keeps the stop-rule and oracle tests
 def test_seeded_partner_independence(svip_engine):
   alone = svip_engine.generate([SEEDED])[0][0].output_token_ids
-  partners = make_requests(11, 5) + make_requests(12, 2, temperature=0.8, top_k=5, seed=3)
+  partners = make_requests(11, 5, prefix="g") + make_requests(12, 2, temperature=0.8, top_k=5,
+                                                               seed=3, prefix="s")
   for batch in ([*partners[:2], SEEDED], [SEEDED, *partners]):
     outputs, metrics = svip_engine.generate(batch)
     assert {o.request_id: o for o in outputs}["seeded"].output_token_ids == alone
     check_counters(metrics, outputs, K)
 
 
-@pytest.mark.parametrize("h", [float("inf"), 1e6])
+@pytest.mark.parametrize("h", [pytest.param(float("inf"), marks=pytest.mark.slow), 1e6])
 def test_no_stop_is_the_plain_drafter(make_engine, h):
   """h = inf is the plain draft model's code path; h = 1e6 runs the while-loop path but
   never stops: both give the plain drafter's drafts, counters and (seeded) samples."""
-  requests = make_requests(3, 8) + make_requests(4, 4, temperature=1.0, seed=5, prefix="s")
+  requests = make_requests(3, 4) + make_requests(4, 4, temperature=1.0, seed=5, prefix="s")
   plain_out, plain_m = make_engine(make_method("draft_model", K)).generate(requests)
   out, m = make_engine(make_method("svip", K, h=h)).generate(requests)
   assert [o.output_token_ids for o in out] == [o.output_token_ids for o in plain_out]
