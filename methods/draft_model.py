@@ -37,18 +37,17 @@ from specjax.sampling import (
 )
 from specjax.steps import forward_step
 
-__all__ = ["DraftModel", "draft_tokens_step", "entropy_nats"]
+__all__ = ["DraftModel", "draft_tokens_step", "draft_until_uncertain_step", "entropy_nats"]
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "k", "num_steps", "all_greedy", "implementation",
-                     "stop_entropy"),
+    static_argnames=("graphdef", "k", "num_steps", "all_greedy", "implementation"),
     donate_argnames=("kv_caches",),
 )
 def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetadata, budgets,
                       temperature, top_k, top_p, keys, positions, *, k, num_steps, all_greedy,
-                      implementation, stop_entropy=None):
+                      implementation):
   """Drafts ``budgets[b]`` tokens for row b in ``num_steps`` draft forwards.
 
   Args:
@@ -59,23 +58,12 @@ def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetad
     positions: ``i32[B]`` absolute position of the first draft token.
     k: static width of the outputs (the method's k).
     num_steps: static number of draft forwards, ``max(budgets)`` (1 <= num_steps <= k).
-    stop_entropy: static; None drafts ``budgets[b]`` tokens. A float (nats) ends row b
-      after draft t (1-based) when ``H(softmax(raw draft logits of t)) > stop_entropy``:
-      draft t is kept and no later draft is computed (``num_tokens[b] = t``). The
-      entropy is that of the untempered draft logits, before temperature/top-k/top-p.
 
   Returns:
-    ``(kv_caches, tokens i32[B, k], probs f32[B, k, V] or None when all_greedy,
-    num_tokens i32[B])``; ``num_tokens`` is ``budgets`` without ``stop_entropy``. Entries
-    at and past a row's ``num_tokens`` are garbage (tokens -1 past the forwards run,
-    probs 0).
+    ``(kv_caches, tokens i32[B, k], probs f32[B, k, V] or None when all_greedy)``; entries
+    at and past a row's budget are garbage (tokens -1 past ``num_steps``, probs 0).
   """
   model = nnx.merge(graphdef, params)
-  if stop_entropy is not None:
-    return _draft_until_uncertain(model, kv_caches, pending, meta, budgets, temperature, top_k,
-                                  top_p, keys, positions, k=k, num_steps=num_steps,
-                                  all_greedy=all_greedy, implementation=implementation,
-                                  stop_entropy=stop_entropy)
 
   def pick(logits, pos):  # logits [B, V]
     if all_greedy:
@@ -104,9 +92,9 @@ def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetad
   tokens = jnp.concatenate([tok[:, None], toks.T], axis=1)
   tokens = jnp.pad(tokens, ((0, 0), (0, k - num_steps)), constant_values=-1)
   if all_greedy:
-    return kv_caches, tokens, None, budgets
+    return kv_caches, tokens, None
   probs = jnp.concatenate([probs[:, None], jnp.moveaxis(ps, 0, 1)], axis=1)
-  return kv_caches, tokens, jnp.pad(probs, ((0, 0), (0, k - num_steps), (0, 0))), budgets
+  return kv_caches, tokens, jnp.pad(probs, ((0, 0), (0, k - num_steps), (0, 0)))
 
 
 def entropy_nats(logits: jax.Array) -> jax.Array:
@@ -115,13 +103,25 @@ def entropy_nats(logits: jax.Array) -> jax.Array:
   return -jnp.sum(jnp.where(logp > -jnp.inf, jnp.exp(logp) * logp, 0.0), axis=-1)
 
 
-def _draft_until_uncertain(model, kv_caches, pending, meta, budgets, temperature, top_k, top_p,
-                           keys, positions, *, k, num_steps, all_greedy, implementation,
-                           stop_entropy):
-  """``draft_tokens_step`` with the entropy stop: a ``lax.while_loop`` over draft
-  forwards that ends when every row has stopped (budget reached or entropy above
-  ``stop_entropy``) or after ``num_steps`` forwards. Row b takes part in forward i
-  (feeding d_i) only while it is live, exactly as in the fixed-length scan."""
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "k", "all_greedy", "implementation", "stop_entropy"),
+    donate_argnames=("kv_caches",),
+)
+def draft_until_uncertain_step(graphdef, params, kv_caches, pending, meta: AttentionMetadata,
+                               budgets, temperature, top_k, top_p, keys, positions, num_steps,
+                               *, k, all_greedy, implementation, stop_entropy):
+  """``draft_tokens_step`` with SVIP's entropy stop: row b ends after draft t (1-based)
+  when ``H(softmax(raw draft logits of t)) > stop_entropy`` (nats; before temperature /
+  top-k / top-p): draft t is kept and no later one is computed. A ``lax.while_loop``
+  over draft forwards ends when every row has stopped (budget or entropy) or after
+  ``num_steps`` (a traced ``i32``, so one compile serves every length) forwards; row b
+  takes part in forward i (feeding d_i) only while it is live, as in the fixed scan.
+
+  Returns:
+    ``(kv_caches, tokens i32[B, k] (-1 past num_tokens), probs f32[B, k, V] or None when
+    all_greedy, num_tokens i32[B])``.
+  """
+  model = nnx.merge(graphdef, params)
   batch = pending.shape[0]
   vocab = model.cfg.vocab_size
 
@@ -181,7 +181,8 @@ class DraftModel(Method):
   Attributes:
     k: most draft tokens per row.
     stop_entropy: None, or a row stops after the first draft whose untempered draft
-      distribution has entropy above this many nats (``draft_tokens_step``; SVIP).
+      distribution has entropy above this many nats (``draft_until_uncertain_step``;
+      SVIP).
   """
 
   name = "draft_model"
@@ -253,14 +254,22 @@ class DraftModel(Method):
       q_lens[i], kv_lens[i], positions[i] = n_pend, len(t), len(t)
     all_greedy = bool(np.all(is_greedy(ctx.temperature[:rows])))
     meta = AttentionMetadata(ctx.page_indices, kv_lens, q_lens)
-    state.kv_caches, tokens, probs, num = draft_tokens_step(
-        draft.graphdef, draft.params, state.kv_caches, pending, meta, row_budgets,
-        ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, positions,
-        k=self.k, num_steps=num_steps, all_greedy=all_greedy,
-        implementation=rt.attention_implementation, stop_entropy=self.stop_entropy,
-    )
+    if self.stop_entropy is None:
+      state.kv_caches, tokens, probs = draft_tokens_step(
+          draft.graphdef, draft.params, state.kv_caches, pending, meta, row_budgets,
+          ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, positions,
+          k=self.k, num_steps=num_steps, all_greedy=all_greedy,
+          implementation=rt.attention_implementation,
+      )
+      num = budgets
+    else:
+      state.kv_caches, tokens, probs, num = draft_until_uncertain_step(
+          draft.graphdef, draft.params, state.kv_caches, pending, meta, row_budgets,
+          ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, positions, np.int32(num_steps),
+          k=self.k, all_greedy=all_greedy, implementation=rt.attention_implementation,
+          stop_entropy=self.stop_entropy)
+      num = np.minimum(np.asarray(num, np.int32)[:rows], budgets)
     tokens = np.array(tokens)[:rows]
-    num = np.minimum(np.asarray(num, np.int32)[:rows], budgets)
     for i, (rid, t) in enumerate(zip(ctx.request_ids, ctx.token_ids)):
       b = int(num[i])
       tokens[i, b:] = -1

@@ -187,6 +187,20 @@ def test_two_token_distribution_matches_target(make_engine, target, companion, w
   assert p_value > 1e-3, (p_value, counts[support], expected[support] * NUM_SAMPLES)
 
 
+@pytest.mark.slow
+def test_profiled_cost_model(target, draft):
+  """The start-up profile times the tiny target and draft on this host: every fitted
+  coefficient is finite and >= 0, and a step costs more with more batched tokens."""
+  from methods.goodput import profile_cost_model  # noqa: PLC0415
+  from specjax.method import RuntimeInfo  # noqa: PLC0415
+
+  runtime = RuntimeInfo(target=target, draft=draft, num_pages=16, page_size=8,
+                        max_model_len=32, attention_implementation="reference")
+  cost = profile_cost_model(runtime, K, context=32, repeats=3)
+  assert cost.verify_base > 0 and cost.draft_base + cost.draft_per_row > 0
+  assert cost.step_time(8, 40, 256, 4) >= cost.step_time(1, 1, 8, 0)
+
+
 def test_bad_options(companion):
   with pytest.raises(ValueError, match="beta=0"):
     make_method("turbospec", K, beta=0.0, cost_model=FREE)
