@@ -101,7 +101,8 @@ def test_seeded_partner_independence(svip_engine):
 
 
 @pytest.mark.parametrize("h, sampled", [
-    (1e6, False), pytest.param(1e6, True, marks=pytest.mark.slow),
+    pytest.param(1e6, False, marks=pytest.mark.slow),
+    pytest.param(1e6, True, marks=pytest.mark.slow),
     pytest.param(float("inf"), True, marks=pytest.mark.slow)])
 def test_no_stop_is_the_plain_drafter(make_engine, h, sampled):
   """h = inf is the plain draft model's code path; h = 1e6 runs the while-loop path but

@@ -35,7 +35,8 @@ def _requests():
                   SamplingParams(max_tokens=10 + i)) for i in range(3)]
 
 
-@pytest.mark.parametrize("h", [0.0, pytest.param(1e6, marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~60 s of compiles on the 2-core CI host; the stop itself is covered in CI
+@pytest.mark.parametrize("h", [0.0, 1e6])
 def test_svip_eagle3(target, h):
   requests = _requests()
   ar, _ = Engine(target, make_method("ar"), ENGINE).generate(requests)
