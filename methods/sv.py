@@ -154,10 +154,6 @@ class SpeculativeVerification(WrappedDrafter):
       object.__setattr__(self, "cost_model", StepCostModel(**self.cost_model))
     super().__post_init__()
 
-  def describe(self) -> dict:
-    out = super().describe()
-    out.pop("companion_model", None)
-    return {**out, "lossless": True}
 
   def init_state(self, runtime):
     model = self.companion_model

@@ -76,6 +76,11 @@ class WrappedDrafter(Method):
     return self.inner.observe_prefill(state, result)
 
   def describe(self) -> dict:
-    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-           if f.name not in ("drafter", "drafter_options")}
-    return {"method": self.name, **out, "drafter": self.inner.describe()}
+    """Flat: the wrapper's fields (non-scalars as their repr), then the wrapped drafter's
+    under ``drafter.`` (e.g. ``{"method": "svip", "h": 0.3, "drafter.method":
+    "draft_model", "drafter.k": 4, ...}``)."""
+    scalar = lambda v: v if v is None or isinstance(v, (bool, int, float, str)) else repr(v)
+    out = {f.name: scalar(getattr(self, f.name)) for f in dataclasses.fields(self)
+           if f.name not in ("drafter", "drafter_options") and f.compare}
+    inner = {f"drafter.{n}": scalar(v) for n, v in self.inner.describe().items()}
+    return {"method": self.name, **out, **inner}

@@ -210,3 +210,11 @@ def test_bad_options(companion):
     make_method("sv", K, cost_model=FREE)
   with pytest.raises(ValueError, match="num_bins=0"):
     make_method("sv", K, companion_model=companion, num_bins=0)
+  with pytest.raises(ValueError, match="trees"):
+    make_method("turbospec", K, drafter="eagle", drafter_options={"feature_layers": [2],
+                                                                  "tree_nodes": 4})
+  for m in (make_method("turbospec", K, cost_model={"verify_base": 1.0}),
+            make_method("sv", K, companion_model=companion, cost_model=FREE)):
+    row = m.describe()  # flat, scalar result-row columns
+    assert row["drafter.method"] == "draft_model" and "companion_model" not in row
+    assert all(v is None or isinstance(v, (bool, int, float, str)) for v in row.values())
