@@ -81,7 +81,7 @@ def _time_call(fn, repeats: int) -> float:
   return float(np.median(times))
 
 
-def _forward_timer(model, rows: int, q_len: int, kv_len: int, page_size: int):
+def _forward_timer(model, rows: int, q_len: int, kv_len: int, page_size: int, implementation):
   pages = -(-kv_len // page_size)
   caches = [init_kv_caches(model.config, rows * pages, page_size)]
   table = np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
@@ -91,7 +91,7 @@ def _forward_timer(model, rows: int, q_len: int, kv_len: int, page_size: int):
 
   def call():
     caches[0], logits, _ = forward_step(model.graphdef, model.params, caches[0], tokens, meta,
-                                        idx)
+                                        idx, implementation=implementation)
     return logits
 
   return call
@@ -104,20 +104,23 @@ def profile_cost_model(runtime, k: int, *, rows=(1, 8), context: int = 512,
   and ``context`` (capped at ``max_model_len``); median of ``repeats`` after a warm-up,
   least squares, negative fitted coefficients set to 0 (timing noise). Draft cost is
   profiled only when a draft model is loaded (host drafters and heads cost 0 here).
+  Runs at every ``init_state`` (each ``Engine.generate``), before the timed window; the
+  compiled shapes are reused, so later profiles cost only the timed calls.
   """
   ctx = min(context, runtime.max_model_len)
+  impl = runtime.attention_implementation
   xs, ys = [], []
   for r in rows:
     for q in (1, k + 1):
       for kv in (max(q, ctx // 4), ctx):
-        t = _time_call(_forward_timer(runtime.target, r, q, kv, runtime.page_size), repeats)
+        t = _time_call(_forward_timer(runtime.target, r, q, kv, runtime.page_size, impl), repeats)
         xs.append([1.0, r * q, r * kv])
         ys.append(t)
   coef = np.linalg.lstsq(np.asarray(xs), np.asarray(ys), rcond=None)[0]
   base, per_tok, per_kv = (max(float(c), 0.0) for c in coef)
   draft_base = draft_row = 0.0
   if runtime.draft is not None:
-    dt = [_time_call(_forward_timer(runtime.draft, r, 1, ctx, runtime.page_size), repeats)
+    dt = [_time_call(_forward_timer(runtime.draft, r, 1, ctx, runtime.page_size, impl), repeats)
           for r in rows]
     draft_row = max((dt[-1] - dt[0]) / max(rows[-1] - rows[0], 1), 0.0)
     draft_base = max(dt[0] - draft_row * rows[0], 0.0)
