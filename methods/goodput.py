@@ -21,7 +21,8 @@ from models.llama import init_kv_caches
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.steps import forward_step
 
-__all__ = ["StepCostModel", "expected_committed", "profile_cost_model", "update_position_ema"]
+__all__ = ["StepCostModel", "cached_profile", "expected_committed", "profile_cost_model",
+           "update_position_ema"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,3 +127,14 @@ def profile_cost_model(runtime, k: int, *, rows=(1, 8), context: int = 512,
     draft_base = max(dt[0] - draft_row * rows[0], 0.0)
   return StepCostModel(verify_base=max(base, 1e-9), verify_per_token=per_tok,
                        verify_per_kv=per_kv, draft_base=draft_base, draft_per_row=draft_row)
+
+
+def cached_profile(method, runtime, k: int, context: int) -> StepCostModel:
+  """``profile_cost_model`` once per (method instance, target, draft): ``init_state``
+  runs at every ``Engine.generate``, the profile need not. Kept on the instance."""
+  key = (id(runtime.target.params), id(runtime.draft.params) if runtime.draft else None,
+         runtime.attention_implementation, k, context)
+  cache = method.__dict__.setdefault("_profiles", {})
+  if key not in cache:
+    cache[key] = profile_cost_model(runtime, k, context=context)
+  return cache[key]

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from methods.goodput import StepCostModel, expected_committed, profile_cost_model
+from methods.goodput import StepCostModel, cached_profile, expected_committed
 from methods.wrapped import WrappedDrafter
 from models.llama import init_kv_caches
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
@@ -157,16 +157,19 @@ class SpeculativeVerification(WrappedDrafter):
 
   def init_state(self, runtime):
     model = self.companion_model
-    if model is None:
-      from models.zoo import load_model  # noqa: PLC0415 (heavy; only when named)
-
+    if model is None:  # loaded once per method instance (every generate() calls init_state)
       dtype = str(jax.tree.leaves(runtime.target.params)[0].dtype)
-      model = load_model(self.companion, dtype).model
+      model = self.__dict__.get("_loaded", {}).get(dtype)
+      if model is None:
+        from models.zoo import load_model  # noqa: PLC0415 (heavy; only when named)
+
+        model = split_model(load_model(self.companion, dtype).model)
+        object.__setattr__(self, "_loaded", {dtype: model})
     companion = model if isinstance(model, SplitModel) else split_model(model)
     if companion.config.vocab_size != runtime.target.config.vocab_size:
       raise ValueError(f"companion vocab_size={companion.config.vocab_size} must equal the "
                        f"target's {runtime.target.config.vocab_size}")
-    cost = self.cost_model or profile_cost_model(runtime, self.k, context=self.profile_context)
+    cost = self.cost_model or cached_profile(self, runtime, self.k, self.profile_context)
     caches = init_kv_caches(companion.config, runtime.num_pages, runtime.page_size)
     return _State(self.inner.init_state(runtime), companion, caches, {}, cost,
                   np.zeros((2, self.num_bins)), {}, {}, runtime.attention_implementation)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from methods.goodput import StepCostModel, profile_cost_model, update_position_ema
+from methods.goodput import StepCostModel, cached_profile, update_position_ema
 from methods.wrapped import WrappedDrafter
 
 __all__ = ["TurboSpec", "plan_lengths"]
@@ -106,7 +106,7 @@ class TurboSpec(WrappedDrafter):
     super().__post_init__()
 
   def init_state(self, runtime):
-    cost = self.cost_model or profile_cost_model(runtime, self.k, context=self.profile_context)
+    cost = self.cost_model or cached_profile(self, runtime, self.k, self.profile_context)
     return _State(self.inner.init_state(runtime), cost, {}, {})
 
   def propose(self, state: _State, ctx):
