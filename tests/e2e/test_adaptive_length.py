@@ -49,6 +49,11 @@ def test_hand_checked_planner_ema_gamma():
   alphas = np.array([[0.9, 0.9], [0.5, 0.5]])
   assert plan_lengths(alphas, np.array([2, 1]), 0, FREE).tolist() == [2, 1]
   assert plan_lengths(alphas, np.array([2, 2]), 0, EXPENSIVE).tolist() == [0, 0]
+  # Load: at 0.8 s per batched token one row drafts 3 (goodput 1/1.8 -> 3.19/4.2), while
+  # 8 rows draft nothing (8/7.4 = 1.081 beats 8.85/8.2 = 1.079 and every longer plan).
+  load = StepCostModel(verify_base=1.0, verify_per_token=0.8)
+  assert plan_lengths(np.full((1, 4), 0.85), np.array([4]), 0, load).tolist() == [3]
+  assert plan_lengths(np.full((8, 4), 0.85), np.full(8, 4), 0, load).tolist() == [0] * 8
   np.testing.assert_allclose(update_position_ema(np.full(4, 0.85), 3, 1, 0.3),
                              [0.895, 0.595, 0.85, 0.85])
   np.testing.assert_allclose(update_position_ema(np.full(2, 0.5), 2, 2, 0.5), [0.75, 0.75])
