@@ -9,6 +9,10 @@ A row drafts at most its budget (``ProposeContext.budgets``): a step runs
 ``max(budgets)`` draft forwards (none when every budget is 0), and a row takes part
 only in the first ``budget`` of them, so no position past the budget (e.g. at or past
 ``max_model_len``) is computed or written.
+
+With ``stop_entropy`` set (SVIP, ``methods.svip``) a row also stops after the first
+draft whose draft distribution has entropy above it; the loop then ends as soon as
+every row has stopped, so the step may run fewer than ``max(budgets)`` forwards.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from specjax.sampling import (
 )
 from specjax.steps import forward_step
 
-__all__ = ["DraftKV", "DraftModel", "draft_tokens_step"]
+__all__ = ["DraftKV", "DraftModel", "draft_tokens_step", "draft_until_uncertain_step",
+           "entropy_nats"]
 
 
 @functools.partial(
@@ -91,6 +96,76 @@ def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetad
     return kv_caches, tokens, None
   probs = jnp.concatenate([probs[:, None], jnp.moveaxis(ps, 0, 1)], axis=1)
   return kv_caches, tokens, jnp.pad(probs, ((0, 0), (0, k - num_steps), (0, 0)))
+
+
+def entropy_nats(logits: jax.Array) -> jax.Array:
+  """``f32[..., V]`` logits -> ``f32[...]`` entropy of their softmax, in nats."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.sum(jnp.where(logp > -jnp.inf, jnp.exp(logp) * logp, 0.0), axis=-1)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "k", "all_greedy", "implementation", "stop_entropy"),
+    donate_argnames=("kv_caches",),
+)
+def draft_until_uncertain_step(graphdef, params, kv_caches, pending, meta: AttentionMetadata,
+                               budgets, temperature, top_k, top_p, keys, positions, num_steps,
+                               *, k, all_greedy, implementation, stop_entropy):
+  """``draft_tokens_step`` with SVIP's entropy stop: row b ends after draft t (1-based)
+  when ``H(softmax(raw draft logits of t)) > stop_entropy`` (nats; before temperature /
+  top-k / top-p): draft t is kept and no later one is computed. A ``lax.while_loop``
+  over draft forwards ends when every row has stopped (budget or entropy) or after
+  ``num_steps`` (a traced ``i32``, so one compile serves every length) forwards; row b
+  takes part in forward i (feeding d_i) only while it is live, as in the fixed scan.
+
+  Returns:
+    ``(kv_caches, tokens i32[B, k] (-1 past num_tokens), probs f32[B, k, V] or None when
+    all_greedy, num_tokens i32[B])``.
+  """
+  model = nnx.merge(graphdef, params)
+  batch = pending.shape[0]
+  vocab = model.cfg.vocab_size
+
+  def pick(logits, pos):  # logits [B, V] -> (tokens, probs [B, V] or [B, 0], stop bool[B])
+    stop = entropy_nats(logits) > stop_entropy
+    if all_greedy:
+      tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      return tok, jnp.zeros((logits.shape[0], 0), jnp.float32), stop
+    probs = processed_probs(logits[:, None], temperature, top_k, top_p)[:, 0]
+    return sample_from_probs(probs, position_keys(keys, pos, STREAM_DRAFT)), probs, stop
+
+  idx = jnp.maximum(meta.q_lens - 1, 0)[:, None]
+  kv_caches, out = model(kv_caches, pending, meta, logits_indices=idx,
+                         implementation=implementation)
+  tok, p0, stop = pick(out.logits[:, 0], positions)
+  has = budgets > 0
+  tokens = jnp.full((batch, k), -1, jnp.int32).at[:, 0].set(jnp.where(has, tok, -1))
+  probs = jnp.zeros((batch, k, 0 if all_greedy else vocab), jnp.float32)
+  probs = probs.at[:, 0].set(p0)
+  num = has.astype(jnp.int32)
+  live = has & (budgets > 1) & ~stop
+
+  def cond(carry):
+    i, live = carry[0], carry[2]
+    return (i < num_steps) & jnp.any(live)
+
+  def body(carry):
+    i, caches, live, tok, tokens, probs, num = carry
+    # Forward i feeds d_i at position positions + i - 1 to draft d_{i+1} (live rows only).
+    step_meta = AttentionMetadata(meta.page_indices, jnp.where(live, meta.kv_lens + i, 0),
+                                  live.astype(jnp.int32))
+    caches, o = model(caches, tok[:, None], step_meta,
+                      logits_indices=jnp.zeros_like(tok)[:, None], implementation=implementation)
+    nxt, p, stop = pick(o.logits[:, 0], positions + i)
+    tokens = tokens.at[:, i].set(jnp.where(live, nxt, -1))
+    probs = probs.at[:, i].set(jnp.where(live[:, None], p, 0.0))
+    num = num + live.astype(jnp.int32)
+    live = live & (budgets > i + 1) & ~stop
+    return i + 1, caches, live, jnp.where(live, nxt, tok), tokens, probs, num
+
+  carry = (jnp.int32(1), kv_caches, live, tok, tokens, probs, num)
+  _, kv_caches, _, _, tokens, probs, num = jax.lax.while_loop(cond, body, carry)
+  return kv_caches, tokens, None if all_greedy else probs, num
 
 
 @dataclasses.dataclass
@@ -170,14 +245,24 @@ class DraftKV:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftModel(Method):
-  """k-token autoregressive drafting with a second model (``--draft``)."""
+  """k-token autoregressive drafting with a second model (``--draft``).
+
+  Attributes:
+    k: most draft tokens per row.
+    stop_entropy: None, or a row stops after the first draft whose untempered draft
+      distribution has entropy above this many nats (``draft_until_uncertain_step``;
+      SVIP).
+  """
 
   name = "draft_model"
   k: int = 4
+  stop_entropy: float | None = None
 
   def __post_init__(self):
     if self.k < 1:
       raise ValueError(f"num_speculative_tokens k={self.k} must be >= 1")
+    if self.stop_entropy is not None and not self.stop_entropy >= 0:
+      raise ValueError(f"stop_entropy={self.stop_entropy} must be None or >= 0 (nats)")
 
   @property
   def num_speculative_tokens(self) -> int:
@@ -203,19 +288,28 @@ class DraftModel(Method):
     row_budgets[:rows] = budgets
     all_greedy = bool(np.all(is_greedy(ctx.temperature[:rows])))
     meta = AttentionMetadata(ctx.page_indices, kv_lens, q_lens)
-    state.kv_caches, tokens, probs = draft_tokens_step(
-        rt.draft.graphdef, rt.draft.params, state.kv_caches, pending, meta, row_budgets,
-        ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, kv_lens,
-        k=self.k, num_steps=num_steps, all_greedy=all_greedy,
-        implementation=rt.attention_implementation,
-    )
+    if self.stop_entropy is None:
+      state.kv_caches, tokens, probs = draft_tokens_step(
+          rt.draft.graphdef, rt.draft.params, state.kv_caches, pending, meta, row_budgets,
+          ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, kv_lens,
+          k=self.k, num_steps=num_steps, all_greedy=all_greedy,
+          implementation=rt.attention_implementation,
+      )
+      num = budgets
+    else:
+      state.kv_caches, tokens, probs, num = draft_until_uncertain_step(
+          rt.draft.graphdef, rt.draft.params, state.kv_caches, pending, meta, row_budgets,
+          ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, kv_lens, np.int32(num_steps),
+          k=self.k, all_greedy=all_greedy, implementation=rt.attention_implementation,
+          stop_entropy=self.stop_entropy)
+      num = np.minimum(np.asarray(num, np.int32)[:rows], budgets)
     tokens = np.array(tokens)[:rows]
     for i, (rid, t) in enumerate(zip(ctx.request_ids, ctx.token_ids)):
-      b = int(budgets[i])
+      b = int(num[i])
       tokens[i, b:] = -1
       if b > 0:  # fed: the pending tokens and drafts d_1 .. d_{b-1}
         state.written[rid] = len(t) + b - 1
-    return state, Draft(tokens, budgets, probs=probs)
+    return state, Draft(tokens, num, probs=probs)
 
   def observe(self, state: DraftKV, result):
     state.drop(result.finished)

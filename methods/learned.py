@@ -36,24 +36,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from methods.draft_model import entropy_nats
 from models.heads import HeadConfig, load_head, make_head
 from specjax.method import Capabilities, Draft, Method, PrefillResult, VerifyResult
 from specjax.sampling import (
-    STREAM_DRAFT,
-    is_greedy,
-    position_keys,
-    processed_probs,
-    sample_from_probs,
+  STREAM_DRAFT,
+  is_greedy,
+  position_keys,
+  processed_probs,
+  sample_from_probs,
 )
 
 __all__ = ["LearnedHeadMethod", "head_draft_step", "head_tree_step"]
 
 
 @functools.partial(
-    jax.jit, static_argnames=("head_graphdef", "target_graphdef", "num_steps", "all_greedy"))
+    jax.jit, static_argnames=("head_graphdef", "target_graphdef", "num_steps", "all_greedy",
+                              "stop_entropy"))
 def head_draft_step(head_graphdef, head_state, target_graphdef, target_params, tokens, feats,
                     num_valid, positions, temperature, top_k, top_p, keys, draft_positions, *,
-                    num_steps, all_greedy):
+                    num_steps, all_greedy, stop_entropy=None):
   """Runs ``head.draft`` for the padded batch.
 
   Args:
@@ -65,22 +67,29 @@ def head_draft_step(head_graphdef, head_state, target_graphdef, target_params, t
     draft_positions: ``i32[B]`` absolute position of the first draft token (keys).
     num_steps: draft length (static).
     all_greedy: static; True skips draft probabilities.
+    stop_entropy: static; None, or (SVIP) a row keeps drafts up to and including the
+      first whose untempered head distribution has entropy above this many nats (all
+      ``num_steps`` head steps still run; only the count is cut).
 
   Returns:
-    ``(tokens i32[B, num_steps], probs f32[B, num_steps, V] or None)``.
+    ``(tokens i32[B, num_steps], probs f32[B, num_steps, V] or None, num_tokens i32[B])``
+    (``num_tokens`` = num_steps for every row without ``stop_entropy``).
   """
   head = nnx.merge(head_graphdef, head_state)
   target = nnx.merge(target_graphdef, target_params)
 
   def pick(logits, j):
+    stop = entropy_nats(logits) > (jnp.inf if stop_entropy is None else stop_entropy)
     if all_greedy:
-      return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32), (None, stop)
     probs = processed_probs(logits[:, None], temperature, top_k, top_p)[:, 0]
     tok = sample_from_probs(probs, position_keys(keys, draft_positions + j, STREAM_DRAFT))
-    return tok, probs
+    return tok, (probs, stop)
 
-  out, probs = head.draft(target, tokens, feats, num_valid, positions, num_steps, pick)
-  return out, probs
+  out, (probs, stops) = head.draft(target, tokens, feats, num_valid, positions, num_steps, pick)
+  # Example: stops [F, T, T] (num_steps 3) -> 2 tokens (the first uncertain draft is kept).
+  num = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1, num_steps)
+  return out, probs, num.astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("head_graphdef", "target_graphdef", "depth",
@@ -129,6 +138,8 @@ class LearnedHeadMethod(Method):
       <= k (kinds whose ``max_tree_nodes`` is > 0: EAGLE-2 trees for EAGLE/EAGLE-3,
       candidate trees for Medusa). The verify step then holds n + 1 tokens.
     tree_branching: children per expanded tree node (top-k of the head).
+    stop_entropy: None, or (chains only; SVIP, ``methods.svip``) a row stops after the
+      first draft whose untempered head distribution has entropy above this many nats.
   """
 
   kind: ClassVar[str]
@@ -139,8 +150,12 @@ class LearnedHeadMethod(Method):
   seed: int = 0
   tree_nodes: int = 0
   tree_branching: int = 4
+  stop_entropy: float | None = None
 
   def __post_init__(self):
+    if self.stop_entropy is not None and (self.tree_nodes or not self.stop_entropy >= 0):
+      raise ValueError(f"stop_entropy={self.stop_entropy} must be None, or >= 0 (nats) with "
+                       f"chain drafting (tree_nodes={self.tree_nodes} must be 0)")
     if self.k < 1:
       raise ValueError(f"num_speculative_tokens k={self.k} must be >= 1")
     if self.window < 1:
@@ -296,10 +311,14 @@ class LearnedHeadMethod(Method):
       out, parents = _pad_to(np.array(out)[:rows], width), _pad_to(np.array(parents)[:rows], width)
       return state, Draft(np.where(keep, out, -1), num, parents=np.where(keep, parents, -1))
     all_greedy = bool(np.all(is_greedy(ctx.temperature[:rows])))
-    out, probs = head_draft_step(
+    out, probs, stopped = head_draft_step(
         state.head_graphdef, state.head_state, target.graphdef, target.params, tokens, feats,
         num_valid, positions, ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys,
-        draft_positions, num_steps=most, all_greedy=all_greedy)
+        draft_positions, num_steps=most, all_greedy=all_greedy,
+        stop_entropy=self.stop_entropy)
+    if self.stop_entropy is not None:
+      num = np.minimum(num, np.asarray(stopped)[:rows]).astype(np.int32)
+      keep = np.arange(width)[None] < num[:, None]
     out = _pad_to(np.array(out)[:rows], width)
     if probs is not None and most < width:
       probs = jnp.pad(probs, ((0, 0), (0, width - most), (0, 0)))

@@ -13,6 +13,9 @@ from methods.medusa import Medusa
 from methods.mtp import MTP
 from methods.ngram import NGram
 from methods.suffix import SuffixDecoding
+from methods.sv import SpeculativeVerification
+from methods.svip import Svip
+from methods.turbospec import TurboSpec
 from methods.verify_skip import VerifySkip
 from specjax.method import Method
 
@@ -31,6 +34,9 @@ METHODS: dict[str, type[Method]] = {
     "suffix": SuffixDecoding,
     "adaptive": Adaptive,
     "layerskip": LayerSkip,
+    "svip": Svip,
+    "turbospec": TurboSpec,
+    "sv": SpeculativeVerification,
 }
 
 

@@ -315,7 +315,8 @@ class HeadLayer(nnx.Module):
 
 
 def _stack(tokens: list, probs: list):
-  return jnp.stack(tokens, 1), (None if probs[0] is None else jnp.stack(probs, 1))
+  """Per-step tokens and ``pick`` outputs (any pytree, e.g. None) stacked on axis 1."""
+  return jnp.stack(tokens, 1), jax.tree.map(lambda *p: jnp.stack(p, 1), *probs)
 
 
 def _window_positions(positions, width: int):
@@ -409,7 +410,7 @@ class EagleHead(nnx.Module):
 
     Returns:
       ``(tokens i32[B, num_steps], probs f32[B, num_steps, V] or None)``: ``probs`` stacks
-      what ``pick`` returned.
+      what ``pick`` returned (any pytree of ``[B, ...]`` arrays, stacked on axis 1).
     """
     _, width = tokens.shape
     total = width + num_steps - 1  # real slots + fed-back draft slots
@@ -438,7 +439,7 @@ class EagleHead(nnx.Module):
 
     carry = (k, v, valid, x_attn[:, -1:], resid[:, -1:])
     _, (toks, probs) = jax.lax.scan(step, carry, jnp.arange(num_steps))
-    return toks.T, (None if probs is None else jnp.moveaxis(probs, 0, 1))
+    return toks.T, jax.tree.map(lambda p: jnp.moveaxis(p, 0, 1), probs)
 
   def draft_tree(self, target, tokens, feats, num_valid, positions, depth: int,
                  branching: int, num_nodes: int):

@@ -1,0 +1,225 @@
+"""TurboSpec (``methods.turbospec``) and SV (``methods.sv``) through the engine.
+
+Both wrap the draft model. Cost models are injected (no timing in tests): "expensive"
+verification makes every draft slot lose goodput (TurboSpec drafts 0: pure AR steps),
+"free" verification makes every slot pay (both reduce to the plain draft model: the
+oracle check), "mid" gives mixed lengths. SV's companion is a third tiny model: the
+target with its layer weights perturbed half as much as the draft's.
+"""
+
+import numpy as np
+import pytest
+from e2e_lib import K, build_model, check_counters, full_logits, make_requests, model_config
+
+from methods.goodput import StepCostModel, update_position_ema
+from methods.registry import make_method
+from methods.sv import choose_gamma, overlap_features
+from methods.turbospec import plan_lengths
+from models.testing import chi_square_pvalue
+from specjax.config import SamplingParams
+from specjax.request import Request
+
+EXPENSIVE = StepCostModel(verify_base=1e-3, verify_per_token=10.0)
+FREE = StepCostModel(verify_base=1.0)
+MID = StepCostModel(verify_base=1.0, verify_per_token=0.08, draft_base=0.05)
+
+
+def _steps(metrics):
+  return [(s.num_draft_tokens, s.num_accepted, s.num_emitted) for s in metrics.steps]
+
+
+@pytest.fixture(scope="module")
+def companion():
+  return build_model(model_config(), seed=0, perturb=0.07)
+
+
+@pytest.fixture(scope="module")
+def plain(make_engine):
+  return make_engine(make_method("draft_model", K))
+
+
+def _sv(cost, companion):
+  return make_method("sv", K, companion_model=companion, cost_model=cost)
+
+
+# ---------------------------------------------------------------- hand-checked pieces
+def test_hand_checked_planner_ema_gamma():
+  assert plan_lengths(np.array([[0.9, 0.1]]), np.array([2]), 0,
+                      StepCostModel(verify_base=1.0, verify_per_token=0.1)).tolist() == [1]
+  alphas = np.array([[0.9, 0.9], [0.5, 0.5]])
+  assert plan_lengths(alphas, np.array([2, 1]), 0, FREE).tolist() == [2, 1]
+  assert plan_lengths(alphas, np.array([2, 2]), 0, EXPENSIVE).tolist() == [0, 0]
+  # Load: at 0.8 s per batched token one row drafts 3 (goodput 1/1.8 -> 3.19/4.2), while
+  # 8 rows draft nothing (8/7.4 = 1.081 beats 8.85/8.2 = 1.079 and every longer plan).
+  load = StepCostModel(verify_base=1.0, verify_per_token=0.8)
+  assert plan_lengths(np.full((1, 4), 0.85), np.array([4]), 0, load).tolist() == [3]
+  assert plan_lengths(np.full((8, 4), 0.85), np.full(8, 4), 0, load).tolist() == [0] * 8
+  np.testing.assert_allclose(update_position_ema(np.full(4, 0.85), 3, 1, 0.3),
+                             [0.895, 0.595, 0.85, 0.85])
+  np.testing.assert_allclose(update_position_ema(np.full(2, 0.5), 2, 2, 0.5), [0.75, 0.75])
+  assert choose_gamma(np.array([0.9, 0.2]), lambda g: 1 + 0.25 * g) == 1
+  assert choose_gamma(np.array([0.9, 0.9]), lambda g: 1.0) == 2
+  # S = sum min(P_d, P_c), A = min(1, P_c(x) / P_d(x)); the greedy row scores P_c(x).
+  pd = np.array([[[0.5, 0.5, 0.0]], [[0.5, 0.5, 0.0]]], np.float32)
+  logits = np.log(np.array([[[0.2, 0.6, 0.2]], [[0.2, 0.6, 0.2]]], np.float32))
+  s, a = overlap_features(pd, np.array([[0], [1]]), logits, np.array([1.0, 0.0], np.float32),
+                          np.zeros(2, np.int32), np.ones(2, np.float32))
+  np.testing.assert_allclose(np.asarray(s), [[0.7], [0.6]], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(a), [[0.4], [0.6]], atol=1e-6)
+
+
+# ---------------------------------------------------------------- TurboSpec
+def test_turbospec_expensive_verify_is_ar(make_engine, reference):
+  requests = make_requests(3, 8)
+  outputs, metrics = make_engine(make_method("turbospec", K, cost_model=EXPENSIVE)).generate(
+      requests)
+  assert [o.output_token_ids for o in outputs] == reference(requests)
+  assert all(s.num_draft_tokens == 0 and s.query_bucket == 1 for s in metrics.steps)
+  check_counters(metrics, outputs, K)
+
+
+@pytest.mark.slow  # compiles: CI keeps the hand-checked, AR-limit and SV batch-8 tests
+def test_turbospec_free_verify_is_the_plain_drafter(make_engine, plain):
+  requests = make_requests(3, 5) + make_requests(4, 3, temperature=1.0, seed=5, prefix="s")
+  want, want_m = plain.generate(requests)
+  outputs, metrics = make_engine(make_method("turbospec", K, cost_model=FREE)).generate(requests)
+  assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in want]
+  assert _steps(metrics) == _steps(want_m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed, n", [(1, 1), (2, 3), (3, 8)])
+def test_turbospec_greedy_equals_ar(make_engine, reference, seed, n):
+  requests = make_requests(seed, n)
+  engine = make_engine(make_method("turbospec", K, cost_model=MID))
+  outputs, metrics = engine.generate(requests)
+  assert [o.output_token_ids for o in outputs] == reference(requests)
+  check_counters(metrics, outputs, K)
+  if n == 8:  # the planner cut some rows below their budget, and drafted for others
+    assert any(s.num_draft_tokens > 0 for s in metrics.steps)
+    assert any(0 < s.num_draft_tokens < K * s.num_rows for s in metrics.steps)
+
+
+# ---------------------------------------------------------------- SV
+@pytest.mark.parametrize("seed, n", [pytest.param(1, 1, marks=pytest.mark.slow), (3, 8)])
+def test_sv_greedy_equals_ar(make_engine, reference, companion, seed, n):
+  requests = make_requests(seed, n)
+  outputs, metrics = make_engine(_sv(MID, companion)).generate(requests)
+  assert [o.output_token_ids for o in outputs] == reference(requests)
+  check_counters(metrics, outputs, K)
+
+
+@pytest.mark.slow  # compiles: CI keeps the hand-checked, AR-limit and SV batch-8 tests
+def test_sv_free_verify_is_the_plain_drafter(make_engine, plain, companion):
+  requests = make_requests(3, 5) + make_requests(4, 3, temperature=1.0, seed=5, prefix="s")
+  want, want_m = plain.generate(requests)
+  outputs, metrics = make_engine(_sv(FREE, companion)).generate(requests)
+  assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in want]
+  assert _steps(metrics) == _steps(want_m)
+
+
+@pytest.mark.slow  # compiles: CI keeps the hand-checked, AR-limit and SV batch-8 tests
+def test_sv_stops_inside_accepted_runs(make_engine, reference, companion):
+  requests = make_requests(7, 6, prompt_len=(2, 8), max_tokens=(3, 12))
+  stop = [o[len(o) // 2] for o in reference(requests) if len(o) > 2][0]
+  requests = [Request(r.request_id, r.prompt_token_ids,
+                      SamplingParams(max_tokens=r.sampling.max_tokens, stop_token_ids=(stop,)))
+              for r in requests]
+  outputs, metrics = make_engine(_sv(MID, companion)).generate(requests)
+  assert [o.output_token_ids for o in outputs] == reference(requests)
+  assert any(o.finish_reason == "stop" for o in outputs)
+  check_counters(metrics, outputs, K)
+
+
+SEEDED = Request("seeded", (7, 21, 3, 30, 12, 44, 8),
+                 SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["sv", "turbospec_free"])
+def test_seeded_partner_independence(make_engine, companion, which):
+  """SV's sampled rows use per-request tables only; TurboSpec's lengths depend on load,
+  so its seeded replay holds where the plan is load-free (free verification)."""
+  method = (_sv(MID, companion) if which == "sv"
+            else make_method("turbospec", K, cost_model=FREE))
+  engine = make_engine(method)
+  alone = engine.generate([SEEDED])[0][0].output_token_ids
+  partners = make_requests(11, 5, prefix="g") + make_requests(12, 2, temperature=0.8, top_k=5,
+                                                               seed=3, prefix="s")
+  for batch in ([*partners[:2], SEEDED], [SEEDED, *partners]):
+    outputs, metrics = engine.generate(batch)
+    assert {o.request_id: o for o in outputs}["seeded"].output_token_ids == alone
+    check_counters(metrics, outputs, K)
+
+
+# ---------------------------------------------------------------- lossless under sampling
+DIST_PROMPT = (7, 21, 3, 30, 12)
+TEMPERATURE, TOP_K, NUM_SAMPLES = 1.5, 3, 1024
+
+
+def _probs(logits):
+  z = logits / TEMPERATURE
+  kth = np.sort(z, axis=-1)[..., -TOP_K][..., None]
+  z = np.where(z >= kth, z, -np.inf)
+  e = np.exp(z - z.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["sv", "svip", "turbospec"])
+def test_two_token_distribution_matches_target(make_engine, target, companion, which):
+  """Three tokens after a fixed prompt, drafted in one step (so the length rule acts on
+  real drafts), follow the target's joint distribution of the first two."""
+  method = {"sv": lambda: _sv(MID, companion),
+            "svip": lambda: make_method("svip", K, h=0.62),
+            "turbospec": lambda: make_method("turbospec", K, cost_model=MID)}[which]()
+  requests = [Request(f"d{i}", DIST_PROMPT, SamplingParams(temperature=TEMPERATURE,
+                                                           top_k=TOP_K, seed=i, max_tokens=3))
+              for i in range(NUM_SAMPLES)]
+  outputs, metrics = make_engine(method).generate(requests)
+  check_counters(metrics, outputs, K)
+  accepted = sum(s.num_accepted for s in metrics.steps)
+  drafted = sum(s.num_draft_tokens for s in metrics.steps)
+  assert 0 < accepted < drafted
+  p1 = _probs(full_logits(target, [list(DIST_PROMPT)])[0])
+  expected = p1[:, None] * _probs(full_logits(target, [[*DIST_PROMPT, x] for x in range(len(p1))]))
+  counts = np.zeros_like(expected)
+  for o in outputs:
+    counts[tuple(o.output_token_ids[:2])] += 1
+  support = expected > 0
+  assert counts[~support].sum() == 0
+  p_value = chi_square_pvalue(counts[support], expected[support], NUM_SAMPLES)
+  assert p_value > 1e-3, (p_value, counts[support], expected[support] * NUM_SAMPLES)
+
+
+@pytest.mark.slow
+def test_profiled_cost_model(target, draft):
+  """The start-up profile times the tiny target and draft on this host: every fitted
+  coefficient is finite and >= 0, and a step costs more with more batched tokens."""
+  from methods.goodput import profile_cost_model  # noqa: PLC0415
+  from specjax.method import RuntimeInfo  # noqa: PLC0415
+
+  runtime = RuntimeInfo(target=target, draft=draft, num_pages=16, page_size=8,
+                        max_model_len=32, attention_implementation="reference")
+  cost = profile_cost_model(runtime, K, context=32, repeats=3)
+  assert cost.verify_base > 0 and cost.draft_base + cost.draft_per_row > 0
+  assert cost.step_time(8, 40, 256, 4) >= cost.step_time(1, 1, 8, 0)
+
+
+def test_bad_options(companion):
+  with pytest.raises(ValueError, match="beta=0"):
+    make_method("turbospec", K, beta=0.0, cost_model=FREE)
+  with pytest.raises(ValueError, match="verify_per_token=-1"):
+    StepCostModel(verify_base=1.0, verify_per_token=-1.0)
+  with pytest.raises(ValueError, match="exactly one"):
+    make_method("sv", K, cost_model=FREE)
+  with pytest.raises(ValueError, match="num_bins=0"):
+    make_method("sv", K, companion_model=companion, num_bins=0)
+  with pytest.raises(ValueError, match="trees"):
+    make_method("turbospec", K, drafter="eagle", drafter_options={"feature_layers": [2],
+                                                                  "tree_nodes": 4})
+  for m in (make_method("turbospec", K, cost_model={"verify_base": 1.0}),
+            make_method("sv", K, companion_model=companion, cost_model=FREE)):
+    row = m.describe()  # flat, scalar result-row columns
+    assert row["drafter.method"] == "draft_model" and "companion_model" not in row
+    assert all(v is None or isinstance(v, (bool, int, float, str)) for v in row.values())
