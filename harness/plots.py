@@ -100,14 +100,19 @@ def _acceptance_figure(plt, df: pd.DataFrame, path: str) -> bool:
     return False
   fig, ax = plt.subplots(figsize=(6.5, 4.2))
   pos = np.arange(1, len(cols) + 1)
+  drawn = 0
   for (m, b), g in sd.groupby(["method", "batch_size"], sort=False):
     vals = g[cols].to_numpy(float)
     if np.isnan(vals).all():
       continue
+    drawn += 1
     mean = np.nanmean(vals, axis=0)
     std = np.nanstd(vals, axis=0, ddof=1) if len(vals) > 1 else np.zeros_like(mean)
     ax.errorbar(pos, mean, yerr=np.nan_to_num(std), marker="o", capsize=3,
                 label=f"{m}, batch {b}")
+  if not drawn:
+    plt.close(fig)
+    return False
   ax.set(xticks=pos, xlabel="draft position j",
          ylabel="accepted / drafted at position j", ylim=(0, 1.05),
          title="Per-position acceptance (mean ± std over repeats)")
