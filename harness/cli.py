@@ -32,7 +32,7 @@ def _parse(argv: list[str]) -> list[str]:
     return flags.FLAGS(argv)
   except flags.Error as e:
     _fail(str(e))
-  except SystemExit as e:  # absl's help flags exit 1 after printing the help
+  except SystemExit:  # absl's help flags exit 1 after printing the help
     if any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]):
       sys.exit(0)
     raise
