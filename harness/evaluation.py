@@ -544,7 +544,13 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   if cfg.peer == "hf":
     from harness import hf_peer  # noqa: PLC0415
 
-    peer_df = hf_peer.run_peer(cfg, requests, output_records, max_model_len)
+    peer_df = hf_peer.run_peer(cfg, requests, output_records)
+    if peer_df is not None:  # specjax's rows of the same batch beside HF's
+      b = min(cfg.batch_sizes)
+      mine = df[df["batch_size"] == b].groupby("method", sort=False)["tokens_per_s"].mean()
+      peer_df = pd.concat([pd.DataFrame({"peer": [f"specjax_{m}" for m in mine.index],
+                                         "batch_size": b, "tokens_per_s": mine.to_numpy()}),
+                           peer_df], ignore_index=True)
   total_s = time.perf_counter() - t_start
   categories = category_table(output_records, df)
   if cfg.output_dir is not None:
