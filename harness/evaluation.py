@@ -46,6 +46,7 @@ from typing import Any
 import jax
 import numpy as np
 import pandas as pd
+from absl import logging
 
 from harness.divergence import divergence, first_divergence
 from harness.reconcile import speedups
@@ -425,7 +426,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
                                                 cfg.seed)
 
   if cfg.draft is not None and not needs_draft:
-    print(f"note: draft={cfg.draft!r} is not loaded: none of {list(methods)} uses a draft model")
+    logging.warning("draft=%r is not loaded: none of %s uses a draft model", cfg.draft,
+                    list(methods))
   target = load_model(cfg.target, cfg.dtype)
   draft = load_model(cfg.draft, cfg.dtype) if needs_draft else None
   # A target without a tokenizer (random weights) has no text, no chat template and no

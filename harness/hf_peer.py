@@ -69,7 +69,6 @@ def run_peer(cfg, requests, output_records: list[dict]) -> pd.DataFrame | None:
     import transformers  # noqa: PLC0415
   except ImportError as e:
     logging.warning("peer=hf skipped: %s (pip install torch transformers)", e)
-    print(f"peer=hf skipped: {e} (install torch and transformers)")
     return None
   path = hf_checkpoint_dir(cfg.target)
   device = "cuda" if torch.cuda.is_available() else "cpu"
