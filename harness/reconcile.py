@@ -8,7 +8,8 @@ measured counterparts (``speedups``):
   over AR decode tokens/s, each = tokens emitted by steady (non-compiling) steps / their
   summed step time.
 - ``e2e_speedup``: prefill included: per-token time (steady decode time scaled to all
-  emitted tokens, plus prefill time) of AR over SD.
+  emitted tokens, plus prefill time without compiling calls,
+  ``RunMetrics.steady_prefill_s``) of AR over SD.
 
 Exact decomposition (every steady SD step considered in c)::
 
@@ -70,10 +71,11 @@ def speedups(sd: RunMetrics, ar: RunMetrics, tau: float, latency_excluded: int =
   ar_all = sum(s.num_emitted for s in ar.steps)
   sd_decode = _ratio(sd_s * sd_all, sd_emit)  # steady time scaled to every emitted token
   ar_decode = _ratio(ar_s * ar_all, ar_emit)
-  e2e = _ratio(_ratio(ar_decode + ar.prefill_s, ar_all), _ratio(sd_decode + sd.prefill_s, sd_all))
+  ar_prefill, sd_prefill = ar.steady_prefill_s(), sd.steady_prefill_s()
+  e2e = _ratio(_ratio(ar_decode + ar_prefill, ar_all), _ratio(sd_decode + sd_prefill, sd_all))
   tau_steady = _ratio(sd_emit, sd_rows)
   mix = _ratio(_ratio(m.ar_s, m.sd_row_steps), _ratio(ar_s, ar_emit))
-  prefill_share = _ratio(sd.prefill_s, sd.prefill_s + sd_decode)
+  prefill_share = _ratio(sd_prefill, sd_prefill + sd_decode)
   notes = []
   gap = _ratio(s_pred, measured) - 1
   if not math.isnan(gap) and abs(gap) > TOLERANCE:
@@ -94,9 +96,13 @@ def speedups(sd: RunMetrics, ar: RunMetrics, tau: float, latency_excluded: int =
                    "as many rows (left out of c)")
   if sd.num_preemptions or ar.num_preemptions:
     notes.append(f"preemptions: SD {sd.num_preemptions}, AR {ar.num_preemptions}")
-  compiled_prefills = len(sd.compile_windows) - (len(sd.steps) - len(sd.steady_steps()))
-  if compiled_prefills > 0:
-    notes.append(f"{compiled_prefills} prefill calls compiled (their time is in prefill_s)")
+  for side, run in (("SD", sd), ("AR", ar)):
+    if run.prefill_compiled_tokens:
+      left = ("every prefill call compiled: e2e includes compile time"
+              if run.prefill_compiled_tokens >= run.num_prefill_tokens
+              else "left out of e2e, the rest scaled to all prefill tokens")
+      notes.append(f"{side} prefill calls of {run.prefill_compiled_tokens} tokens compiled "
+                   f"({run.prefill_compiled_s:.2f} s; {left})")
   if latency_excluded:
     notes.append(f"{latency_excluded} requests alive during a compile left out of latencies")
   return {

@@ -229,6 +229,8 @@ class Engine:
     metrics.prefill_s += t1 - t0
     if CompileMonitor.snapshot() != snap:
       metrics.compile_windows.append((t0 - self._run_start, t1 - self._run_start))
+      metrics.prefill_compiled_s += t1 - t0
+      metrics.prefill_compiled_tokens += int(q_lens.sum())
     metrics.num_prefill_tokens += int(q_lens.sum())
     metrics.prefill_calls.append(int(q_lens.sum()))
     for st, _, e in chunks:

@@ -97,7 +97,9 @@ class RunMetrics:
   """All raw counters of one engine run."""
 
   steps: list[StepRecord] = dataclasses.field(default_factory=list)
-  prefill_s: float = 0.0
+  prefill_s: float = 0.0  # every prefill call, compiling ones included
+  prefill_compiled_s: float = 0.0  # of which calls that compiled
+  prefill_compiled_tokens: int = 0
   prefill_calls: list[int] = dataclasses.field(default_factory=list)  # tokens per prefill call
   num_prefill_tokens: int = 0
   compile_s: float = 0.0
@@ -111,6 +113,15 @@ class RunMetrics:
 
   def steady_steps(self) -> list[StepRecord]:
     return [s for s in self.steps if not s.compiled]
+
+  def steady_prefill_s(self) -> float:
+    """Prefill time without compiles: the non-compiling calls' time scaled to every
+    prefill token (``prefill_s`` when every call compiled). E.g. 1.4 s over 1000 tokens
+    of which one compiling call of 200 tokens took 1.2 s -> 0.2 * 1000 / 800 = 0.25 s."""
+    steady_tokens = self.num_prefill_tokens - self.prefill_compiled_tokens
+    if self.prefill_compiled_tokens == 0 or steady_tokens <= 0:
+      return self.prefill_s
+    return (self.prefill_s - self.prefill_compiled_s) * self.num_prefill_tokens / steady_tokens
 
 
 def _step_signature(s: StepRecord) -> tuple[int, int]:

@@ -194,3 +194,13 @@ def test_report_compares_runs(tmp_path):
   assert "<table" in open(htm).read()
   with pytest.raises(ValueError, match="has no results.csv"):
     write_report([str(tmp_path)], str(tmp_path / "out"))
+
+
+def test_compiled_prefill_is_left_out_of_e2e():
+  ar = RunMetrics(steps=[_step(1, 1, 0.010)] * 10, prefill_s=1.4, num_prefill_tokens=1000,
+                  prefill_compiled_s=1.2, prefill_compiled_tokens=200)
+  sd = RunMetrics(steps=[_step(1, 2, 0.015)] * 5, prefill_s=0.25, num_prefill_tokens=1000)
+  assert ar.steady_prefill_s() == pytest.approx(0.25)
+  r = speedups(sd, ar, 2.0)
+  assert r["e2e_speedup"] == pytest.approx((0.1 + 0.25) / (0.075 + 0.25))
+  assert "AR prefill calls of 200 tokens compiled" in r["notes"]
