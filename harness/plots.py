@@ -9,7 +9,9 @@
 - ``latency_cdf.png`` (online runs): CDFs of TTFT and TPOT per method, requests alive
   during a compile left out.
 
-Every figure names its model, dataset, device and repeat count in its title.
+Every figure names its model, dataset, device and repeat count in its title. The step
+benchmarks draw here too: ``step_benchmark_figure`` (``experiments.bench_step``: c(L)
+and the AR roofline fraction) and ``engine_loop_figure`` (``benchmarks.engine_loop``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pandas as pd
 
 from harness.stats import aggregate
 
-__all__ = ["evaluation_figures"]
+__all__ = ["engine_loop_figure", "evaluation_figures", "step_benchmark_figure"]
 
 
 def _pyplot():
@@ -194,3 +196,52 @@ def evaluation_figures(out_dir: str, df: pd.DataFrame, categories: pd.DataFrame 
     if draw(path):
       written.append(path)
   return written
+
+
+def step_benchmark_figure(df: pd.DataFrame, path: str) -> None:
+  """``experiments.bench_step``: c(L) per batch (synchronous and pipelined) and the AR
+  step's roofline fraction per context."""
+  plt = _pyplot()
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  ver = df[df.kind == "verify"]
+  for batch, g in ver.groupby("batch"):
+    line, = axes[0].plot(g.L, g.c, marker="o", label=f"B={batch}")
+    axes[0].plot(g.L, g.pipelined_c, marker="x", ls="--", color=line.get_color())
+  axes[0].set(xlabel="draft length L (verify width L + 1)", ylabel="c = verify step / AR step",
+              title="c(L) (solid: synchronous, dashed: pipelined)")
+  axes[0].legend()
+  ar = df[df.kind == "ar"]
+  for ctx, g in ar.groupby("context"):
+    line, = axes[1].plot(g.batch, g.roofline_fraction, marker="o", label=f"ctx={ctx}")
+    axes[1].plot(g.batch, g.pipelined_roofline_fraction, marker="x", ls="--",
+                 color=line.get_color())
+  axes[1].set(xscale="log", xlabel="batch", ylabel="memory roofline time / AR step time",
+              title="AR step vs the memory roofline (1 = at the roofline)")
+  axes[1].legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def engine_loop_figure(df: pd.DataFrame, path: str) -> None:
+  """``benchmarks.engine_loop``: engine-level c(L) per batch and context, and the AR
+  engine step's HBM roofline fraction."""
+  plt = _pyplot()
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for (batch, ctx), g in df.groupby(["batch", "context"]):
+    g = g.sort_values("L")
+    axes[0].plot(g.L, g.c, marker="o", label=f"B={batch}, ctx={ctx}")
+  axes[0].axhline(1.0, color="gray", lw=0.5)
+  axes[0].set(xlabel="draft length L (verify width L + 1)", ylabel="c = SD step / AR step",
+              title="engine-level c(L), synthetic acceptance")
+  axes[0].legend(fontsize=7)
+  ar = df[df.L == 0]
+  for ctx, g in ar.groupby("context"):
+    axes[1].plot(g.batch, g.roofline_fraction, marker="o", label=f"ctx={ctx}")
+  axes[1].set(xscale="log", xlabel="batch", ylabel="HBM roofline / AR engine step",
+              title="AR engine step vs HBM roofline", ylim=(0, 1.05))
+  axes[1].legend()
+  fig.suptitle(f"{df.target.iloc[0]} {df.dtype.iloc[0]} on {df.device.iloc[0]}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
