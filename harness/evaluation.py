@@ -98,6 +98,7 @@ SUMMARY_COLUMNS = {
     "c": "c",
     "S_pred": "S_pred",
     "measured_speedup": "measured_speedup",
+    "e2e_speedup": "e2e_speedup",
     "tokens_per_s": "tokens/s",
     "lossless": "lossless",
 }
@@ -698,9 +699,9 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
   columns.pop("lossless")
   online = "request_rate" in df and df["request_rate"].notna().any()
   if online:
-    columns.update({"ttft_p50_s": "TTFT_p50", "ttft_p99_s": "TTFT_p99", "tpot_p50_s": "TPOT_p50",
-                    "tpot_p99_s": "TPOT_p99", "queue_p50_s": "queue_p50",
-                    "requests_per_s": "req/s"})
+    columns.update({"ttft_p50_s": "TTFT_p50_s", "ttft_p99_s": "TTFT_p99_s",
+                    "tpot_p50_s": "TPOT_p50_s", "tpot_p99_s": "TPOT_p99_s",
+                    "queue_p50_s": "queue_p50_s", "requests_per_s": "req/s"})
   if "goodput_rps" in df and df["goodput_rps"].notna().any():
     columns["goodput_rps"] = "goodput_rps"
   numeric = [c for c in columns if c not in ("method", "batch_size") and c in df]
