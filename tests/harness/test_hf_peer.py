@@ -11,12 +11,11 @@ from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine
 from specjax.request import Request
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
 
 @pytest.mark.slow  # ~75 s on a loaded 2-core CPU (torch import, two generate variants)
 def test_hf_peer_agrees_with_specjax_ar(tmp_path, monkeypatch):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
   torch.manual_seed(0)
   config = transformers.LlamaConfig(
       vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
