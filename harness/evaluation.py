@@ -724,24 +724,33 @@ def category_table(records: list[dict], df: pd.DataFrame) -> pd.DataFrame:
   """Per (method, batch size, category), pooled over repeats: ``tau`` (output tokens /
   engine steps of the category's requests), ``S_pred`` (that tau over the row's c) and
   ``latency_speedup`` (AR's summed decode time of those requests, TPOT x (tokens - 1),
-  over the method's; prefill and queueing excluded). Spec-Bench's per-category view."""
+  over the method's; prefill and queueing excluded), over the requests that no compile
+  touched in either run (``n_latency_pairs`` of them). Spec-Bench's per-category view."""
   if not records:
     return pd.DataFrame()
   out = pd.DataFrame(records)
   out["n_out"] = out["output_token_ids"].map(len)
   out["decode_time_s"] = out["tpot_s"] * (out["n_out"] - 1).clip(lower=0)
+  if "compile_affected" not in out:
+    out["compile_affected"] = False
+  key = ["batch_size", "repeat", "request_id"]
+  ar = out[out["method"] == "ar"][key + ["decode_time_s", "compile_affected"]]
+  paired = out.merge(ar, on=key, suffixes=("", "_ar"))
+  paired = paired[~(paired["compile_affected"].astype(bool)
+                    | paired["compile_affected_ar"].astype(bool))]
+  lat = paired.groupby(["method", "batch_size", "category"], sort=False).agg(
+      n_latency_pairs=("request_id", "size"), sd_time=("decode_time_s", "sum"),
+      ar_time=("decode_time_s_ar", "sum"))
   c = df.groupby(["method", "batch_size"])["c"].mean()
   g = out.groupby(["method", "batch_size", "category"], sort=False).agg(
-      n_requests=("request_id", "size"), tokens=("n_out", "sum"), steps=("num_steps", "sum"),
-      decode_time_s=("decode_time_s", "sum"))
-  g = g.reset_index()
+      n_requests=("request_id", "size"), tokens=("n_out", "sum"), steps=("num_steps", "sum"))
+  g = g.join(lat).reset_index()
   g["tau"] = g["tokens"] / g["steps"].where(g["steps"] > 0)
   g["S_pred"] = [t / c.get((m, b), float("nan"))
                  for t, m, b in zip(g["tau"], g["method"], g["batch_size"])]
-  ar = g[g["method"] == "ar"].set_index(["batch_size", "category"])["decode_time_s"]
-  g["latency_speedup"] = [ar.get((b, cat), float("nan")) / t if t > 0 else float("nan")
-                          for b, cat, t in zip(g["batch_size"], g["category"], g["decode_time_s"])]
-  return g
+  g["latency_speedup"] = g["ar_time"] / g["sd_time"].where(g["sd_time"] > 0)
+  g["n_latency_pairs"] = g["n_latency_pairs"].fillna(0).astype(int)
+  return g.drop(columns=["sd_time", "ar_time"])
 
 
 def run_summary(cfg: EvalConfig, df: pd.DataFrame, categories: pd.DataFrame,

@@ -82,7 +82,7 @@ def _category_table(cat: pd.DataFrame) -> pd.DataFrame:
   if cat.empty:
     return cat
   cols = [c for c in ("method", "batch_size", "category", "n_requests", "tau", "S_pred",
-                      "latency_speedup") if c in cat]
+                      "latency_speedup", "n_latency_pairs") if c in cat]
   return cat[cols].round(3)
 
 
