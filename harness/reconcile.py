@@ -96,7 +96,7 @@ def speedups(sd: RunMetrics, ar: RunMetrics, tau: float, latency_excluded: int =
                    "as many rows (left out of c)")
   if sd.num_preemptions or ar.num_preemptions:
     notes.append(f"preemptions: SD {sd.num_preemptions}, AR {ar.num_preemptions}")
-  for side, run in (("SD", sd), ("AR", ar)):
+  for side, run in ((("SD", sd), ("AR", ar)) if sd is not ar else (("this run's", sd),)):
     if run.prefill_compiled_tokens:
       left = ("every prefill call compiled: e2e includes compile time"
               if run.prefill_compiled_tokens >= run.num_prefill_tokens
