@@ -41,6 +41,7 @@ from absl import app, flags
 
 from benchmarks.device_time import device_busy_seconds
 from benchmarks.step_cost import _kv_bytes, _param_bytes
+from harness import plots
 from models.shapes import SHAPES
 from specjax import sharding
 from specjax.config import EngineConfig, SamplingParams
@@ -225,32 +226,6 @@ def _ar():
   return AutoRegressive()
 
 
-def plot(df: pd.DataFrame, path: str) -> None:
-  """c(L) per batch and context, and the AR roofline fraction."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  for (mesh, layers, batch, ctx), g in df.groupby(["mesh", "num_layers", "batch", "context"]):
-    g = g.sort_values("L")
-    axes[0].plot(g.L, g.c, marker="o", label=f"{mesh} {layers}L B={batch}, ctx={ctx}")
-  axes[0].axhline(1.0, color="gray", lw=0.5)
-  axes[0].set(xlabel="draft length L (verify width L + 1)", ylabel="c = SD step / AR step",
-              title="engine-level c(L), synthetic acceptance")
-  axes[0].legend(fontsize=7)
-  ar = df[df.L == 0]
-  for (mesh, layers, ctx), g in ar.groupby(["mesh", "num_layers", "context"]):
-    axes[1].plot(g.batch, g.roofline_fraction, marker="o", label=f"{mesh} {layers}L ctx={ctx}")
-  axes[1].set(xscale="log", xlabel="batch", ylabel="HBM roofline / AR engine step",
-              title="AR engine step vs HBM roofline", ylim=(0, 1.05))
-  axes[1].legend()
-  fig.suptitle(f"{df.target.iloc[0]} {df.dtype.iloc[0]} on {df.device.iloc[0]}")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-
-
 _TARGET = flags.DEFINE_string("target", "llama3-8b", f"{list(SHAPES)} or a models.zoo name.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Model dtype.")
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "16", "64"], "Batch sizes.")
@@ -279,7 +254,7 @@ def main(argv):
       num_layers=[int(n) for n in _NUM_LAYERS.value] if _NUM_LAYERS.value else None)
   os.makedirs(_OUT.value, exist_ok=True)
   df.to_csv(os.path.join(_OUT.value, "engine_loop.csv"), index=False)
-  plot(df, os.path.join(_OUT.value, "engine_loop.png"))
+  plots.engine_loop_figure(df, os.path.join(_OUT.value, "engine_loop.png"))
   print(df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
 

@@ -11,6 +11,7 @@ import os
 from absl import app, flags
 
 from benchmarks.step_cost import StepBenchConfig, run_step_benchmark
+from harness import plots
 from models.shapes import SHAPES
 
 _SHAPE = flags.DEFINE_enum("shape", "llama3-8b", list(SHAPES),
@@ -42,31 +43,7 @@ def main(argv):
   df = run_step_benchmark(cfg)
   os.makedirs(_OUT.value, exist_ok=True)
   df.to_csv(os.path.join(_OUT.value, "bench_step.csv"), index=False)
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    ver = df[df.kind == "verify"]
-    for batch, g in ver.groupby("batch"):
-      line, = axes[0].plot(g.L, g.c, marker="o", label=f"B={batch}")
-      axes[0].plot(g.L, g.pipelined_c, marker="x", ls="--", color=line.get_color())
-    axes[0].set(xlabel="draft length L", ylabel="c = verify / AR step time",
-                title="c(L) (solid: synchronous, dashed: pipelined)")
-    axes[0].legend()
-    ar = df[df.kind == "ar"]
-    for ctx, g in ar.groupby("context"):
-      line, = axes[1].plot(g.batch, g.roofline_fraction, marker="o", label=f"ctx={ctx}")
-      axes[1].plot(g.batch, g.pipelined_roofline_fraction, marker="x", ls="--",
-                   color=line.get_color())
-    axes[1].set(xscale="log", xlabel="batch", ylabel="roofline fraction", title="AR step")
-    axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(_OUT.value, "bench_step.png"), dpi=120)
-  except ImportError as e:
-    print(f"plot skipped: {e}")
+  plots.step_benchmark_figure(df, os.path.join(_OUT.value, "bench_step.png"))
   print(df.to_string(index=False))
 
 

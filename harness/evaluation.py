@@ -46,9 +46,12 @@ from typing import Any
 import jax
 import numpy as np
 import pandas as pd
+from absl import logging
 
 from harness.divergence import divergence, first_divergence
 from harness.kv_memory import method_kv_bytes_per_token
+from harness.reconcile import speedups
+from harness.stats import aggregate, format_mean_std
 from methods.registry import METHODS, make_method
 from models.zoo import is_random_name
 from pallas_kernels.paged_attention import implementations_used, resolve_implementation
@@ -57,7 +60,7 @@ from specjax import sharding
 from specjax.compile_cache import enable_compilation_cache
 from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine, bucket
-from specjax.metrics import RunMetrics, matched_c, summarize
+from specjax.metrics import compile_affected, summarize
 from specjax.request import Request
 from specjax.steps import split_model
 from specjax.workloads import (
@@ -74,13 +77,17 @@ __all__ = [
     "EvalConfig",
     "default_output_dir",
     "first_divergence",
+    "category_table",
     "load_model",
     "run_evaluation",
+    "run_summary",
     "summary_table",
 ]
 
 # How the target's (and draft's) layers run: ``specjax.steps.split_model(unroll_layers=)``.
 LAYER_EXECUTIONS = ("unrolled", "scan")
+# Peers run beside specjax on the same prompt ids (``EvalConfig.peer``).
+PEERS = (None, "hf")
 # Values ``jax.default_matmul_precision`` accepts.
 MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
 
@@ -93,6 +100,7 @@ SUMMARY_COLUMNS = {
     "c": "c",
     "S_pred": "S_pred",
     "measured_speedup": "measured_speedup",
+    "e2e_speedup": "e2e_speedup",
     "tokens_per_s": "tokens/s",
     "lossless": "lossless",
 }
@@ -159,6 +167,11 @@ class EvalConfig:
       ``mesh_devices`` and ``replicated``.
     compilation_cache: use JAX's persistent compilation cache
       (``specjax.compile_cache``; ``$SPECJAX_CACHE/jax_compilation_cache``).
+    slo_ttft_s, slo_tpot_s: service-level objectives in seconds for ``slo_attainment``
+      and ``goodput_rps`` (``specjax.metrics.latency_summary``); None = no SLO.
+    plots: write the figures of ``harness.plots`` next to ``results.csv``.
+    peer: None, or "hf": also run Hugging Face transformers on the same prompt ids
+      (``harness.hf_peer``; skipped with a message when torch/transformers are absent).
   """
 
   target: str = "smollm2-135m"
@@ -192,6 +205,10 @@ class EvalConfig:
   mesh: str = "none"
   draft_sharding: str = "replicated"
   compilation_cache: bool = True
+  slo_ttft_s: float | None = None
+  slo_tpot_s: float | None = None
+  plots: bool = True
+  peer: str | None = None
 
   def __post_init__(self):
     methods = tuple(dict.fromkeys(["ar", *self.methods]))
@@ -244,6 +261,12 @@ class EvalConfig:
       raise ValueError(f"target={self.target!r} has random weights and no tokenizer: "
                        f"dataset={self.dataset!r} must be {RANDOM_DATASET!r} (token-id "
                        "prompts, with input_len)")
+    for name in ("slo_ttft_s", "slo_tpot_s"):
+      v = getattr(self, name)
+      if v is not None and not v > 0:
+        raise ValueError(f"{name}={v} must be > 0 seconds (None = no SLO)")
+    if self.peer not in PEERS:
+      raise ValueError(f"peer={self.peer!r} must be one of {PEERS}")
     if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
       raise ValueError(f"matmul_precision={self.matmul_precision!r} must be None or one of "
                        f"{MATMUL_PRECISIONS}")
@@ -284,10 +307,6 @@ def load_model(name_or_path: str, dtype: str):
 def default_output_dir(root: str = "results") -> str:
   """``results/<YYYYmmdd-HHMMSS>``."""
   return os.path.join(root, datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-
-
-def _decode_s(m: RunMetrics) -> float:
-  return sum(s.step_s for s in m.steady_steps()) + m.prefill_s
 
 
 def _ratio(num: float, den: float) -> float:
@@ -415,7 +434,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
                                                 cfg.seed)
 
   if cfg.draft is not None and not needs_draft:
-    print(f"note: draft={cfg.draft!r} is not loaded: none of {list(methods)} uses a draft model")
+    logging.warning("draft=%r is not loaded: none of %s uses a draft model", cfg.draft,
+                    list(methods))
   target = load_model(cfg.target, cfg.dtype)
   draft = load_model(cfg.draft, cfg.dtype) if needs_draft else None
   # A target without a tokenizer (random weights) has no text, no chat template and no
@@ -484,47 +504,53 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
                else contextlib.nullcontext())
   with precision, contextlib.closing(_Progress(passes_tokens, progress)) as bar:
     for batch in cfg.batch_sizes:
-      engine_cfg = EngineConfig(
-          max_num_seqs=batch, max_model_len=max_model_len, page_size=cfg.page_size,
-          attention_implementation=cfg.attention_implementation,
-          verify_implementation=cfg.verify_implementation, seed=cfg.seed,
-          max_num_batched_tokens=cfg.max_num_batched_tokens, mesh=mesh,
-          draft_sharding=cfg.draft_sharding,
-      )
-      engines = {
-          name: Engine(target_split, method, engine_cfg,
-                       draft=draft_split if name in needs_draft else None,
-                       eos_token_ids=eos_token_ids, decode=decode)
-          for name, method in methods.items()
-      }
-      if cfg.warmup:
-        t0 = time.perf_counter()
-        for name, engine in engines.items():
-          bar.start(f"warm-up {name} b={batch}", warm_budget)
-          engine.generate(warm_requests, progress=bar)
-          bar.finish()
-        warmup_s += time.perf_counter() - t0
       for rep in range(cfg.repeats):
+        # A fresh engine per repeat (same jitted executables, new KV pool and state) and
+        # a fresh sampling seed per repeat (``_repeat_requests``): repeats sample anew.
+        engine_cfg = EngineConfig(
+            max_num_seqs=batch, max_model_len=max_model_len, page_size=cfg.page_size,
+            attention_implementation=cfg.attention_implementation,
+            verify_implementation=cfg.verify_implementation, seed=cfg.seed + rep,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, mesh=mesh,
+            draft_sharding=cfg.draft_sharding,
+        )
+        engines = {
+            name: Engine(target_split, method, engine_cfg,
+                         draft=draft_split if name in needs_draft else None,
+                         eos_token_ids=eos_token_ids, decode=decode)
+            for name, method in methods.items()
+        }
+        if cfg.warmup and rep == 0:
+          t0 = time.perf_counter()
+          for name, engine in engines.items():
+            bar.start(f"warm-up {name} b={batch}", warm_budget)
+            engine.generate(warm_requests, progress=bar)
+            bar.finish()
+            # Cross-request caches (suffix decoding's global tree, adaptive's estimates)
+            # must not carry the warm-up's responses into the measured pass.
+            engine.runtime.method_cache.clear()
+          warmup_s += time.perf_counter() - t0
+        rep_requests = _repeat_requests(requests, cfg.seed, rep)
         t0 = time.perf_counter()
         results = {}
         for name, engine in engines.items():
           bar.start(f"{name} b={batch} r={rep}", budget)
-          results[name] = engine.generate(requests, progress=bar)
+          results[name] = engine.generate(rep_requests, progress=bar)
           bar.finish()
         measure_s += time.perf_counter() - t0
         ar_outs, ar_metrics = results["ar"]
         for name, (outs, met) in results.items():
           row, diverged = _row(name, methods[name], outs, met, ar_outs, ar_metrics, greedy,
-                                target_split)
+                               target_split, cfg)
           rows.append({**static, "draft": cfg.draft if name in needs_draft else None,
                        "batch_size": batch, "repeat": rep, **row,
                        "kv_bytes_per_token": method_kv_bytes_per_token(
                            methods[name], engines[name].runtime)})
           output_records.extend(
-              _output_record(name, batch, rep, o, p, diverged)
-              for o, p in zip(outs, prompts)
+              _output_record(name, batch, rep, o, p, diverged, a)
+              for o, p, a in zip(outs, prompts, compile_affected(outs, met.compile_windows))
           )
-      del engines
+        del engines
   df = _order_columns(pd.DataFrame(rows), k)
   # What actually ran (the requested list can fall through, e.g. pallas_gpu -> reference
   # for f32): every paged-attention backend traced in this process up to now.
@@ -532,29 +558,61 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   # Fused-sampler backends traced in this process; the jnp sampler (or greedy argmax,
   # which every choice shares) when none was.
   df["verify_backends_used"] = ",".join(verify_implementations_used()) or "jnp_rejection_sample"
+  peer_df = None
+  if cfg.peer == "hf":
+    from harness import hf_peer  # noqa: PLC0415
+
+    peer_df = hf_peer.run_peer(cfg, requests, output_records)
+    if peer_df is not None:  # specjax's rows of the same batch beside HF's
+      b = min(cfg.batch_sizes)
+      mine = df[df["batch_size"] == b].groupby("method", sort=False)["tokens_per_s"].mean()
+      peer_df = pd.concat([pd.DataFrame({"peer": [f"specjax_{m}" for m in mine.index],
+                                         "batch_size": b, "tokens_per_s": mine.to_numpy()}),
+                           peer_df], ignore_index=True)
   total_s = time.perf_counter() - t_start
+  categories = category_table(output_records, df)
   if cfg.output_dir is not None:
-    _write(cfg, df, output_records)
+    _write(cfg, df, output_records, categories, peer_df)
   if verbose:
     compiles = int(df["num_compiles"].sum())
-    print(summary_table(df).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print(summary_table(df).to_string(index=False))
+    if peer_df is not None and len(peer_df):
+      print("\npeer (same prompt ids):")
+      print(peer_df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    notes = df[df["notes"].astype(bool)]
+    for _, r in notes.iterrows():
+      print(f"notes {r['method']} b={r['batch_size']} r={r['repeat']}: {r['notes']}")
+    rate = f", {cfg.request_rate:g} requests/s (Poisson)" if cfg.request_rate else ", offline"
     print(f"\n{cfg.target} on {static['device']} ({static['backend']}), {cfg.dataset} "
-          f"x{cfg.num_prompts}, {cfg.max_new_tokens} new tokens, T={cfg.temperature}; "
-          f"time: load+tokenize {t_loaded - t_start:.1f}s, warm-up {warmup_s:.1f}s, "
-          f"measured {measure_s:.1f}s, total {total_s:.1f}s; "
+          f"x{cfg.num_prompts}, {cfg.max_new_tokens} new tokens, T={cfg.temperature}{rate}, "
+          f"{cfg.repeats} repeats (mean ± std); time: load+tokenize {t_loaded - t_start:.1f}s, "
+          f"warm-up {warmup_s:.1f}s, measured {measure_s:.1f}s, total {total_s:.1f}s; "
           f"compiles in measured passes: {compiles}")
     if compiles and cfg.warmup:
-      print("note: measured passes compiled; their compiled steps are left out of decode_s")
+      print("note: measured passes compiled; their compiled steps are left out of decode "
+            "times and the requests alive meanwhile out of latencies")
     if cfg.output_dir is not None:
-      print(f"wrote {os.path.join(cfg.output_dir, 'results.csv')} and outputs.jsonl")
+      print(f"wrote {cfg.output_dir}/: results.csv, results.json, categories.csv, "
+            "outputs.jsonl" + (", figures (*.png)" if cfg.plots else ""))
   return df
 
 
-def _row(name, method, outs, met, ar_outs, ar_metrics, greedy, target) -> tuple[dict, dict]:
+def _repeat_requests(requests: Sequence[Request], seed: int, rep: int) -> list[Request]:
+  """``requests`` with per-request sampling seeds drawn from ``(seed, rep)``: every
+  method of one repeat samples with the same keys, other repeats with other keys, and
+  the same ``seed`` reproduces a repeat exactly (seeded requests do not depend on their
+  batch partners)."""
+  seeds = np.random.SeedSequence([seed, rep]).generate_state(len(requests)) % (2**31)
+  return [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, seed=int(s)))
+          for r, s in zip(requests, seeds)]
+
+
+def _row(name, method, outs, met, ar_outs, ar_metrics, greedy, target, cfg
+         ) -> tuple[dict, dict]:
   k = method.num_speculative_tokens
-  s = summarize(met, outs, k)
-  c, share = matched_c(met, ar_metrics)
-  decode_s, ar_decode_s = _decode_s(met), _decode_s(ar_metrics)
+  s = summarize(met, outs, k, slo_ttft_s=cfg.slo_ttft_s, slo_tpot_s=cfg.slo_tpot_s)
+  sp = speedups(met, ar_metrics, s["tau"], s["num_latency_excluded"])
+  decode_s = sum(st.step_s for st in met.steady_steps())
   diverged: dict = {}
   lossless = None
   if greedy and name != "ar":
@@ -570,13 +628,12 @@ def _row(name, method, outs, met, ar_outs, ar_metrics, greedy, target) -> tuple[
       "k": k,
       "tau": s["tau"],
       "acceptance_rate": s["acceptance_rate"],
-      "c": c,
-      "share_matched": share,
-      "S_pred": _ratio(s["tau"], c),
-      "measured_speedup": _ratio(ar_decode_s, decode_s),
+      **{key: sp[key] for key in ("c", "share_matched", "S_pred", "measured_speedup",
+                                  "e2e_speedup")},
       "wall_speedup": _ratio(ar_metrics.wall_s - ar_metrics.compile_s,
                              met.wall_s - met.compile_s),
-      "tokens_per_s": _ratio(s["num_output_tokens"], decode_s),
+      # end to end: output tokens / (steady decode steps + prefill)
+      "tokens_per_s": _ratio(s["num_output_tokens"], decode_s + met.prefill_s),
       "decode_s": decode_s,
       "lossless": lossless,
       "num_mismatched": len(diverged) if lossless is not None else None,
@@ -584,12 +641,14 @@ def _row(name, method, outs, met, ar_outs, ar_metrics, greedy, target) -> tuple[
       # the target's top-2 logit margin at each divergence (near 0: a rounding near-tie)
       "divergence_margins": json.dumps({str(r): round(d.margin, 6) for r, d in diverged.items()}),
       "max_divergence_margin": max(margins) if margins else None,
+      "notes": sp["notes"],
+      **{key: sp[key] for key in ("tau_steady", "mix_factor", "prefill_share")},
       **{key: v for key, v in s.items() if key not in ("tau", "acceptance_rate")},
   }
   return row, diverged
 
 
-def _output_record(method, batch, rep, out, prompt, diverged) -> dict:
+def _output_record(method, batch, rep, out, prompt, diverged, compile_affected_) -> dict:
   return {
       "method": method,
       "batch_size": batch,
@@ -608,6 +667,8 @@ def _output_record(method, batch, rep, out, prompt, diverged) -> dict:
       "ttft_s": out.ttft_s,
       "tpot_s": out.tpot_s,
       "latency_s": out.latency_s,
+      "queue_s": out.queue_s,
+      "compile_affected": bool(compile_affected_),
       **_divergence_record(diverged.get(out.request_id)),
   }
 
@@ -623,8 +684,9 @@ def _divergence_record(d) -> dict:
 _LEADING = [
     "model", "draft", "method", "method_config", "k", "batch_size", "repeat", "dataset",
     "categories", "num_prompts", "max_new_tokens", "temperature", "request_rate", "tau",
-    "acceptance_rate", "c", "share_matched", "S_pred", "measured_speedup", "wall_speedup",
-    "tokens_per_s", "decode_s", "lossless", "num_mismatched", "first_divergence",
+    "acceptance_rate", "c", "share_matched", "S_pred", "measured_speedup", "e2e_speedup",
+    "wall_speedup", "tokens_per_s", "decode_s", "lossless", "num_mismatched",
+    "first_divergence", "notes",
 ]
 
 
@@ -638,7 +700,9 @@ def _order_columns(df: pd.DataFrame, k: int) -> pd.DataFrame:
 
 
 def summary_table(df: pd.DataFrame) -> pd.DataFrame:
-  """Mean over repeats per (method, batch size) of the ``SUMMARY_COLUMNS``.
+  """The printed table: per (method, batch size) the mean ± std over repeats of the
+  ``SUMMARY_COLUMNS`` (online runs add the rate and TTFT/TPOT/queueing p50 and p99, and
+  goodput when an SLO was set), as strings.
 
   ``lossless`` is True only if every repeat was; None (AR, or sampling) stays empty.
   """
@@ -646,18 +710,113 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return all(values) if values else None
 
-  numeric = [c for c in SUMMARY_COLUMNS if c not in ("method", "batch_size", "lossless")]
-  g = df.groupby(["method", "batch_size"], sort=False)
-  out = g[numeric].mean().join(g["lossless"].agg(all_true)).reset_index()
-  out["lossless"] = out["lossless"].map(lambda v: "" if v is None else str(bool(v)))
-  return out[list(SUMMARY_COLUMNS)].rename(columns=SUMMARY_COLUMNS)
+  columns = dict(SUMMARY_COLUMNS)
+  columns.pop("lossless")
+  online = "request_rate" in df and df["request_rate"].notna().any()
+  if online:
+    columns.update({"ttft_p50_s": "TTFT_p50_s", "ttft_p99_s": "TTFT_p99_s",
+                    "tpot_p50_s": "TPOT_p50_s", "tpot_p99_s": "TPOT_p99_s",
+                    "queue_p50_s": "queue_p50_s", "requests_per_s": "req/s"})
+  if "goodput_rps" in df and df["goodput_rps"].notna().any():
+    columns["goodput_rps"] = "goodput_rps"
+  numeric = [c for c in columns if c not in ("method", "batch_size") and c in df]
+  agg = aggregate(df, columns=numeric)
+  out = pd.DataFrame({"method": agg["method"], "batch": agg["batch_size"]})
+  if online:
+    out.insert(2, "rate", df.groupby(["method", "batch_size"], sort=False)["request_rate"]
+               .first().to_numpy())
+  for c in numeric:
+    digits = 1 if c in ("tokens_per_s",) else 3
+    out[columns[c]] = [format_mean_std(m, sd, digits)
+                       for m, sd in zip(agg[f"{c}_mean"], agg[f"{c}_std"])]
+  lossless = df.groupby(["method", "batch_size"], sort=False)["lossless"].agg(all_true)
+  out["lossless"] = [("" if v is None else str(bool(v))) for v in lossless.to_numpy()]
+  out["n"] = agg["n_repeats"]
+  return out
 
 
-def _write(cfg: EvalConfig, df: pd.DataFrame, records: list[dict]) -> None:
+def category_table(records: list[dict], df: pd.DataFrame) -> pd.DataFrame:
+  """Per (method, batch size, category), pooled over repeats: ``tau`` (output tokens /
+  engine steps of the category's requests), ``S_pred`` (that tau over the row's c) and
+  ``latency_speedup`` (AR's summed decode time of those requests, TPOT x (tokens - 1),
+  over the method's; prefill and queueing excluded), over the requests that no compile
+  touched in either run (``n_latency_pairs`` of them). Spec-Bench's per-category view."""
+  if not records:
+    return pd.DataFrame()
+  out = pd.DataFrame(records)
+  out["n_out"] = out["output_token_ids"].map(len)
+  out["decode_time_s"] = out["tpot_s"] * (out["n_out"] - 1).clip(lower=0)
+  if "compile_affected" not in out:
+    out["compile_affected"] = False
+  key = ["batch_size", "repeat", "request_id"]
+  ar = out[out["method"] == "ar"][key + ["decode_time_s", "compile_affected"]]
+  paired = out.merge(ar, on=key, suffixes=("", "_ar"))
+  paired = paired[~(paired["compile_affected"].astype(bool)
+                    | paired["compile_affected_ar"].astype(bool))]
+  lat = paired.groupby(["method", "batch_size", "category"], sort=False).agg(
+      n_latency_pairs=("request_id", "size"), sd_time=("decode_time_s", "sum"),
+      ar_time=("decode_time_s_ar", "sum"))
+  c = df.groupby(["method", "batch_size"])["c"].mean()
+  g = out.groupby(["method", "batch_size", "category"], sort=False).agg(
+      n_requests=("request_id", "size"), tokens=("n_out", "sum"), steps=("num_steps", "sum"))
+  g = g.join(lat).reset_index()
+  g["tau"] = g["tokens"] / g["steps"].where(g["steps"] > 0)
+  g["S_pred"] = [t / c.get((m, b), float("nan"))
+                 for t, m, b in zip(g["tau"], g["method"], g["batch_size"])]
+  g["latency_speedup"] = g["ar_time"] / g["sd_time"].where(g["sd_time"] > 0)
+  g["n_latency_pairs"] = g["n_latency_pairs"].fillna(0).astype(int)
+  return g.drop(columns=["sd_time", "ar_time"])
+
+
+def run_summary(cfg: EvalConfig, df: pd.DataFrame, categories: pd.DataFrame,
+                peer: pd.DataFrame | None = None) -> dict:
+  """The ``results.json`` summary: settings, per (method, batch) mean/std/95 % interval
+  of the ``harness.stats.SPREAD_COLUMNS``, per-position acceptance, lossless, notes,
+  per-category rows and the peer's rows."""
+  agg = aggregate(df)
+  pos_cols = sorted((c for c in df if c.startswith("accept_rate_pos")),
+                    key=lambda c: int(c.removeprefix("accept_rate_pos")))
+  cells = []
+  for _, a in agg.iterrows():
+    g = df[(df["method"] == a["method"]) & (df["batch_size"] == a["batch_size"])]
+    cell = {k: (None if isinstance(v, float) and math.isnan(v) else v)
+            for k, v in a.items()}
+    cell["accept_rate_per_position"] = [
+        None if math.isnan(v) else v for v in g[pos_cols].mean().to_numpy(float)]
+    lossless = [v for v in g["lossless"] if isinstance(v, bool)]
+    cell["lossless"] = all(lossless) if lossless else None
+    cell["notes"] = [n for n in g["notes"] if n]
+    cell["num_compiles"] = int(g["num_compiles"].sum())
+    cell["num_latency_excluded"] = int(g["num_latency_excluded"].sum())
+    cells.append(cell)
+  first = df.iloc[0]
+  env = {k: (first[k].item() if hasattr(first[k], "item") else first[k])
+         for k in ("device", "backend", "jax_version", "max_model_len", "attention_backends_used",
+                   "verify_backends_used") if k in df}
+  return {
+      "config": dataclasses.asdict(cfg),
+      "environment": env,
+      "cells": cells,
+      "categories": json.loads(categories.to_json(orient="records")) if len(categories) else [],
+      "peer": json.loads(peer.to_json(orient="records")) if peer is not None else None,
+  }
+
+
+def _write(cfg: EvalConfig, df: pd.DataFrame, records: list[dict], categories: pd.DataFrame,
+           peer: pd.DataFrame | None) -> None:
   os.makedirs(cfg.output_dir, exist_ok=True)
   df.to_csv(os.path.join(cfg.output_dir, "results.csv"), index=False)
+  categories.to_csv(os.path.join(cfg.output_dir, "categories.csv"), index=False)
+  if peer is not None:
+    peer.to_csv(os.path.join(cfg.output_dir, "peer.csv"), index=False)
   with open(os.path.join(cfg.output_dir, "outputs.jsonl"), "w", encoding="utf-8") as f:
     for r in records:
       f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
   with open(os.path.join(cfg.output_dir, "config.json"), "w", encoding="utf-8") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=2)
+  with open(os.path.join(cfg.output_dir, "results.json"), "w", encoding="utf-8") as f:
+    json.dump(run_summary(cfg, df, categories, peer), f, indent=2, default=str)
+  if cfg.plots:
+    from harness import plots  # noqa: PLC0415
+
+    plots.evaluation_figures(cfg.output_dir, df, categories, records)

@@ -231,6 +231,7 @@ class Engine:
       q_lens[i], kv_lens[i] = e - s, e
     width = self._pages_bucket([e for _, _, e in chunks])
     meta = AttentionMetadata(page_table([st.pages for st in rows], batch, width), kv_lens, q_lens)
+    snap = CompileMonitor.snapshot()
     t0 = time.perf_counter()
     self.kv_caches, logits, hidden = forward_step(
         self.target.graphdef, self.target.params, self.kv_caches, tokens, meta,
@@ -238,7 +239,12 @@ class Engine:
         implementation=cfg.attention_implementation,
     )
     jax.block_until_ready(logits)
-    metrics.prefill_s += time.perf_counter() - t0
+    t1 = time.perf_counter()
+    metrics.prefill_s += t1 - t0
+    if CompileMonitor.snapshot() != snap:
+      metrics.compile_windows.append((t0 - self._run_start, t1 - self._run_start))
+      metrics.prefill_compiled_s += t1 - t0
+      metrics.prefill_compiled_tokens += int(q_lens.sum())
     metrics.num_prefill_tokens += int(q_lens.sum())
     metrics.prefill_calls.append(int(q_lens.sum()))
     for st, _, e in chunks:
@@ -292,7 +298,7 @@ class Engine:
                                           sharded=cfg.draft_sharding == "sharded")
     metrics = RunMetrics(kv_bytes_per_token=self.kv_bytes_per_token)
     c0, s0 = CompileMonitor.snapshot()
-    start = time.perf_counter()
+    start = self._run_start = time.perf_counter()
     self._window = (start, CompileMonitor.snapshot())
     inflight = None
     seen_by_method: set = set()
@@ -330,6 +336,7 @@ class Engine:
 
   _num_submitted = 0
   _progress = None
+  _run_start = 0.0
 
   # ------------------------------------------------------------------ steps
   def _plan(self, sampler, fused_impl, length, *, tree=False, probs=False) -> StepPlan:
@@ -364,6 +371,8 @@ class Engine:
         host_s=max(0.0, (t_end - t_start) - draft_s - verify_s) + host_extra,
         step_s=t_end - t_start, compiled=compiled,
     ))
+    if compiled:
+      metrics.compile_windows.append((t_start - self._run_start, t_end - self._run_start))
     self._window = (t_end, snap)
     if self._progress is not None:
       self._progress(res.num_emitted)
@@ -582,5 +591,5 @@ class Engine:
         ttft_s=st.first_token_at - arrival, tpot_s=tpot, latency_s=st.finished_at - arrival,
         queue_s=(st.admitted_at or 0.0) - arrival, num_steps=st.num_steps,
         num_draft_tokens=st.num_draft_tokens, num_accepted_tokens=st.num_accepted_tokens,
-        num_preemptions=st.num_preemptions,
+        num_preemptions=st.num_preemptions, arrival_s=arrival,
     )

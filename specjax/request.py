@@ -53,6 +53,7 @@ class RequestOutput:
   num_draft_tokens: int
   num_accepted_tokens: int
   num_preemptions: int
+  arrival_s: float = 0.0  # seconds after the run started (0 offline)
 
 
 @dataclasses.dataclass

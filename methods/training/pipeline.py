@@ -13,6 +13,8 @@ import dataclasses
 import json
 import os
 
+from absl import logging
+
 from methods.training.data import (
     TokenDataset,
     read_sharegpt_prompts,
@@ -97,7 +99,7 @@ def train_draft_head(job: DraftHeadJob) -> TrainResult:
   loaded = load_model(job.target, dtype=job.dtype)
   if cached:
     data = TokenDataset.load(data_file)
-    print(f"reusing the regenerated data in {data_file} ({len(data)} sequences)")
+    logging.info("reusing the regenerated data in %s (%d sequences)", data_file, len(data))
   else:
     prompts = tokenize_chat(texts, loaded.tokenizer, job.max_prompt_tokens)
     bar = tqdm(total=len(prompts), desc="regenerate responses", unit="prompt",

@@ -191,6 +191,7 @@ def test_binary_flags_to_config():
   assert cfg.categories == ("qa", "rag") and cfg.output_dir == "/tmp/x"
   assert cfg.target == "smollm2-135m" and cfg.num_prompts == 24 and cfg.max_new_tokens == 128
   assert cfg.temperature == 0 and cfg.request_rate is None
+  assert cfg.repeats == (3 if jax.default_backend() == "gpu" else 2)
   assert cfg.matmul_precision == "highest" and cfg.warmup
   assert cfg.method_options == {"ngram": {"n_max": 3}, "draft_model": {"note": (1, 2)}}
   assert cfg.verify_implementation == "auto"

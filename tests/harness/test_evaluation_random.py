@@ -23,7 +23,7 @@ def test_random_tiny_end_to_end(tmp_path):
     flags.FLAGS.unparse_flags()
     flags.FLAGS(["evaluate", "--target=random:tiny", "--dataset=random", "--input_len=64",
                  "--methods=ar,ngram", "--num_prompts=2", "--batch_sizes=1",
-                 "--max_new_tokens=8", f"--output_dir={tmp_path}"])
+                 "--max_new_tokens=8", "--repeats=1", f"--output_dir={tmp_path}"])
     cfg = evaluate.config_from_flags()
   assert cfg.dataset == "random" and cfg.input_len == 64 and cfg.ignore_eos is None
   df = run_evaluation(cfg, progress=False, verbose=False)

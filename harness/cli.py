@@ -1,0 +1,55 @@
+"""How the absl binaries in ``experiments/`` start, fail and log.
+
+``run(main)`` wraps ``absl.app.run``:
+
+- ``--help``/``--helpshort``/``--helpfull`` print the help and exit 0 (absl exits 1);
+- a bad flag value, or a ``ValueError``/``FileNotFoundError`` raised by ``main`` (the
+  library's caller errors), prints one line ``error: ...`` to stderr and exits 2: no
+  traceback, no help dump;
+- absl (and orbax, which logs through it) INFO lines are hidden unless ``--verbosity``
+  is given (``--verbosity=0`` shows INFO).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from absl import app, flags, logging
+
+__all__ = ["run"]
+
+_HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "--helpfull", "--helpxml", "-?")
+
+
+def _fail(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _parse(argv: list[str]) -> list[str]:
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(str(e))
+  except SystemExit:  # absl's help flags exit 1 after printing the help
+    if any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]):
+      sys.exit(0)
+    raise
+  return []
+
+
+def run(main: Callable[[list[str]], object]) -> None:
+  """``absl.app.run(main)`` with the behaviour above."""
+
+  def wrapped(argv):
+    if not flags.FLAGS["verbosity"].present:
+      logging.set_verbosity(logging.WARNING)
+    try:
+      return main(argv)
+    except app.UsageError as e:
+      _fail(str(e))
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+      _fail(" ".join(str(e).split()) or type(e).__name__)
+
+  app.run(wrapped, flags_parser=_parse)
