@@ -42,38 +42,15 @@ from absl import app, flags
 from benchmarks.device_time import device_busy_seconds
 from benchmarks.step_cost import _kv_bytes, _param_bytes
 from harness import plots
+from harness.synthetic import ConstantDrafter
 from models.shapes import SHAPES
 from specjax import sharding
 from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine
-from specjax.method import Capabilities, Draft, Method
 from specjax.request import Request
 from specjax.steps import split_model
 
 __all__ = ["ConstantDrafter", "read_bandwidth", "run_engine_loop"]
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ConstantDrafter(Method):
-  """Drafts ``k`` copies of each row's pending token on the host (no compute): with
-  synthetic acceptance it makes every step a full-width verify step."""
-
-  name = "constant"
-  k: int = 1
-
-  @property
-  def num_speculative_tokens(self) -> int:
-    return self.k
-
-  def capabilities(self) -> Capabilities:
-    return Capabilities(runs_on="host")
-
-  def propose(self, state, context):
-    rows = len(context.request_ids)
-    tokens = np.full((rows, self.k), -1, np.int32)
-    for i, seq in enumerate(context.token_ids):
-      tokens[i] = seq[-1]
-    return state, Draft(tokens, np.minimum(context.budgets, self.k).astype(np.int32))
-
 
 def read_bandwidth(num_bytes: int = 2 << 30, reps: int = 10) -> float:
   """Bytes/s the device reads in an XLA sum over ``num_bytes`` of bf16."""

@@ -1,6 +1,6 @@
 """verify_skip against fixed draft lengths, whole engine loop, synthetic acceptance.
 
-Per batch size: fixed-length runs (``engine_loop.ConstantDrafter`` with k = L for each
+Per batch size: fixed-length runs (``harness.synthetic.ConstantDrafter`` with k = L for each
 ``--lengths`` L, synthetic per-position acceptance ``--acceptance``) give step times
 and tokens/s; their step times become the ``TableVerifyCost`` that ``verify_skip``
 (wrapping ``ConstantDrafter(k=max L)``) then uses in its own run. Each configuration

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.engine_loop import ConstantDrafter
 from harness import simulator, traces
 from harness.cost_model import preset
+from harness.synthetic import ConstantDrafter
 from methods.draft_model import DraftModel
 from methods.ngram import NGram
 from specjax.config import EngineConfig, SamplingParams
