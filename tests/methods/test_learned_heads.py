@@ -224,7 +224,8 @@ class OracleHead(nnx.Module):
       t, p = pick(30.0 * jax.nn.one_hot(want[:, j], VOCAB), j)
       toks.append(t)
       probs.append(p)
-    return jnp.stack(toks, 1), (None if probs[0] is None else jnp.stack(probs, 1))
+    # ``pick`` returns any pytree of [B, ...] arrays (SVIP adds a stop flag): stack leaves.
+    return jnp.stack(toks, 1), jax.tree.map(lambda *xs: jnp.stack(xs, 1), *probs)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
