@@ -8,27 +8,36 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
-from specjax.method import Capabilities, Draft, Method
+from specjax.method import Capabilities, DeviceDraft, Draft, Method
 
 __all__ = ["ConstantDrafter"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConstantDrafter(Method):
-  """Drafts ``k`` copies of each row's pending token on the host (no compute): with
-  synthetic acceptance it makes every step a full-width verify step."""
+  """Drafts ``k`` copies of each row's pending token (no compute): with synthetic
+  acceptance it makes every step a full-width verify step. ``device=True`` (default)
+  drafts inside the engine step (a fused proposer: asynchronous iterations); False on
+  the host (one synchronous step each)."""
 
   name = "constant"
   k: int = 1
+  device: bool = True
 
   @property
   def num_speculative_tokens(self) -> int:
     return self.k
 
   def capabilities(self) -> Capabilities:
-    return Capabilities(runs_on="host")
+    return Capabilities(runs_on="fused" if self.device else "host")
+
+  def propose_device(self, params, state, rows):
+    pending = jnp.take_along_axis(rows.tokens, jnp.maximum(rows.num_tokens - 1, 0)[:, None], 1)
+    tokens = jnp.broadcast_to(pending, (pending.shape[0], self.k))
+    return state, DeviceDraft(tokens, jnp.minimum(rows.budgets, self.k))
 
   def propose(self, state, context):
     rows = len(context.request_ids)

@@ -118,9 +118,9 @@ class Adaptive(Method):
     if not isinstance(names, tuple) or not names or len(set(names)) != len(names):
       raise ValueError(f"drafters={names!r} must be a non-empty tuple of distinct method names")
     members = self._members()
-    devices = [m.name for m in members if m.capabilities().runs_on != "host"]
+    devices = [m.name for m in members if m.host_capabilities().runs_on != "host"]
     bad = [m.name for m in members
-           if m.num_speculative_tokens == 0 or m.capabilities().target_hidden_layers]
+           if m.num_speculative_tokens == 0 or m.host_capabilities().target_hidden_layers]
     if bad or len(devices) > 1:
       raise ValueError(f"drafters={names!r}: adaptive composes drafting host methods "
                        "(suffix, ngram) and at most one device drafter without target hidden "
@@ -142,7 +142,7 @@ class Adaptive(Method):
     return self.k
 
   def capabilities(self) -> Capabilities:
-    caps = [m.capabilities() for m in self._members()]
+    caps = [m.host_capabilities() for m in self._members()]
     return Capabilities(
         runs_on="device" if any(c.runs_on != "host" for c in caps) else "host",
         emits_draft_probs=any(c.emits_draft_probs for c in caps),
@@ -194,7 +194,7 @@ class Adaptive(Method):
       if hasattr(m, "scored_propose"):
         state.member_states[j], drafts[j], scores[j] = m.scored_propose(state.member_states[j], ctx)
         expected[j] = scores[j] * self._calibration(est)
-      elif m.capabilities().runs_on == "host":
+      elif m.host_capabilities().runs_on == "host":
         state.member_states[j], drafts[j] = m.propose(state.member_states[j], ctx)
         expected[j] = cum[np.minimum(np.asarray(drafts[j].num_tokens[:rows]), budgets)]
       else:

@@ -224,7 +224,7 @@ class HSDDW(Method):
       from methods.registry import make_method  # noqa: PLC0415 (the registry imports us)
 
       m1 = make_method(m1, self.k)
-    caps = m1.capabilities() if isinstance(m1, Method) else None
+    caps = m1.host_capabilities() if isinstance(m1, Method) else None
     if caps is None or caps.runs_on != "host" or caps.emits_draft_probs or caps.tree \
         or caps.needs_draft_model or m1.num_speculative_tokens < 1:
       raise ValueError(f"m1={self.m1!r} must be a host chain drafter (e.g. 'ngram') that "

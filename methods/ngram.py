@@ -2,7 +2,10 @@
 
 For n from ``n_max`` down to ``n_min``: find the most recent earlier occurrence of the
 request's last n tokens in its own prompt + output, and propose the (up to) k tokens
-that followed it. Runs on the host in numpy.
+that followed it. By default it runs on the device inside the engine step
+(``methods.ngram_device``, over the device token history: asynchronous iterations, no
+host work per step); ``device=False`` runs the numpy version on the host, which is also
+the test oracle of the device one (same drafts).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import dataclasses
 
 import numpy as np
 
-from specjax.method import Capabilities, Draft, Method
+from methods.ngram_device import ngram_lookup_device
+from specjax.method import Capabilities, DeviceDraft, Draft, Method
 
 __all__ = ["NGram", "ngram_lookup"]
 
@@ -36,12 +40,14 @@ def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> np.ndarr
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NGram(Method):
-  """Prompt-lookup drafting with ``k`` tokens, n-gram sizes ``n_min..n_max``."""
+  """Prompt-lookup drafting with ``k`` tokens, n-gram sizes ``n_min..n_max``; on the
+  device (fused into the engine step) unless ``device=False``."""
 
   name = "ngram"
   k: int = 4
   n_min: int = 2
   n_max: int = 4
+  device: bool = True
 
   def __post_init__(self):
     if self.k < 1:
@@ -54,7 +60,12 @@ class NGram(Method):
     return self.k
 
   def capabilities(self) -> Capabilities:
-    return Capabilities(runs_on="host")
+    return Capabilities(runs_on="fused" if self.device else "host")
+
+  def propose_device(self, params, state, rows):
+    tokens, num = ngram_lookup_device(rows.tokens, rows.num_tokens, rows.budgets, k=self.k,
+                                      n_min=self.n_min, n_max=self.n_max)
+    return state, DeviceDraft(tokens, num)
 
   def propose(self, state, context):
     rows = len(context.request_ids)

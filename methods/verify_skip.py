@@ -204,7 +204,7 @@ class VerifySkip(Method):
 
       inner = make_method(inner, self.k)
     if not isinstance(inner, Method) or inner.num_speculative_tokens < 1 \
-        or inner.capabilities().tree or isinstance(inner, VerifySkip):
+        or inner.host_capabilities().tree or isinstance(inner, VerifySkip):
       raise ValueError(f"drafter={self.drafter!r} must be a chain drafter (k >= 1, no trees, "
                        "not verify_skip itself)")
     object.__setattr__(self, "_inner", inner)
@@ -214,7 +214,7 @@ class VerifySkip(Method):
     return self.k
 
   def capabilities(self):
-    return self._inner.capabilities()
+    return self._inner.host_capabilities()
 
   def describe(self) -> dict:
     return {"method": self.name, "k": self.k, "drafter": self._inner.name,

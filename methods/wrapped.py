@@ -52,7 +52,7 @@ class WrappedDrafter(Method):
     if inner.num_speculative_tokens != self.k:
       raise ValueError(f"drafter {inner.name!r} drafts {inner.num_speculative_tokens} tokens; "
                        f"it must equal k={self.k}")
-    if inner.capabilities().tree:
+    if inner.host_capabilities().tree:
       raise ValueError(f"drafter {inner.name!r} drafts trees; {self.name!r} wraps chains only")
     object.__setattr__(self, "inner", inner)
 
@@ -61,7 +61,7 @@ class WrappedDrafter(Method):
     return self.k
 
   def capabilities(self) -> Capabilities:
-    return self.inner.capabilities()
+    return self.inner.host_capabilities()
 
   def init_state(self, runtime):
     return self.inner.init_state(runtime)

@@ -2,7 +2,8 @@
 
 Compiled executables are written under the cache directory and reused by later
 processes with the same program, JAX version and device (``jax_compilation_cache_dir``),
-so a second run of the same evaluation skips most XLA compiles.
+so a second run of the same evaluation skips most XLA compiles. ``SPECJAX_COMPILATION_CACHE``
+names another directory, or turns the cache off (``0``, ``off``, ``false``, ``no``).
 """
 
 from __future__ import annotations
@@ -10,27 +11,54 @@ from __future__ import annotations
 import os
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
-__all__ = ["default_compilation_cache_dir", "enable_compilation_cache"]
+__all__ = ["CACHE_ENV", "default_compilation_cache_dir", "enable_compilation_cache"]
+
+CACHE_ENV = "SPECJAX_COMPILATION_CACHE"
+_OFF = ("0", "off", "false", "no")
 
 
-def default_compilation_cache_dir() -> str:
-  """``$SPECJAX_CACHE/jax_compilation_cache`` (``~/.cache/specjax`` by default)."""
-  root = os.environ.get("SPECJAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache",
-                                                      "specjax"))
+def default_compilation_cache_dir() -> str | None:
+  """``$SPECJAX_COMPILATION_CACHE`` if set, else ``$SPECJAX_CACHE/jax_compilation_cache``
+  (``~/.cache/specjax`` by default); ``None`` when ``SPECJAX_COMPILATION_CACHE`` is off."""
+  override = os.environ.get(CACHE_ENV, "").strip()
+  if override.lower() in _OFF:
+    return None
+  if override:
+    return override
+  root = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                         "specjax")
   return os.path.join(root, "jax_compilation_cache")
 
 
 def enable_compilation_cache(path: str | None = None) -> str | None:
-  """Turns the persistent cache on at ``path`` (default above); every compile is cached
-  (no minimum compile time or size). Returns the directory, or ``None`` on the CPU
-  back end, where the cache stays off: writing CPU executables segfaulted inside
-  ``jax._src.compilation_cache.put_executable_and_time`` (JAX 0.10.2, CI run of the
-  test suite), and CPU compiles are the cheap ones."""
-  if jax.default_backend() == "cpu":
+  """Turns the persistent cache on at ``path``, every compile cached (no minimum compile
+  time or size), on every back end, CPU included.
+
+  CPU was once left out: a CI run of the whole test suite segfaulted inside
+  ``jax._src.compilation_cache.put_executable_and_time`` (JAX 0.10.2) after the
+  evaluation tests had turned the cache on. That crash was later traced to the process
+  holding every executable of the suite (memory mappings against ``vm.max_map_count``,
+  65,530; see ``tests/conftest.py``), not to the cache. Re-tested on JAX 0.10.2: CPU
+  executables write and load across processes with identical results, the evaluation
+  tests pass with it on, and a second identical ``experiments.evaluate`` run on
+  ``random:tiny`` warms up in MEASURED_SECOND s instead of MEASURED_FIRST s.
+
+  Args:
+    path: the cache directory (default: ``default_compilation_cache_dir()``).
+
+  Returns:
+    The directory, or ``None`` when ``SPECJAX_COMPILATION_CACHE`` turns the cache off
+    (then nothing changes).
+  """
+  if os.environ.get(CACHE_ENV, "").strip().lower() in _OFF:
     return None
   path = path or default_compilation_cache_dir()
   os.makedirs(path, exist_ok=True)
+  if jax.config.jax_compilation_cache_dir != path:
+    # JAX opens the cache at the first directory it compiles with and keeps it.
+    compilation_cache.reset_cache()
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

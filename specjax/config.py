@@ -110,8 +110,16 @@ class EngineConfig:
       chunked prefill): one prefill call per iteration covers chunks of several prompts
       whose padded size (rows x bucketed chunk length) is at most this, so a long prompt
       arriving online delays running requests by at most one such call per step.
-    async_scheduling: plain-decoding steps are dispatched before the previous step's
-      result is read (its pending tokens come from the device); False: every step waits.
+    async_scheduling: steps of plain decoding and of fused proposers (``Capabilities.
+      runs_on == "fused"``) are dispatched before the previous step's result is read (the
+      decode state lives on the device, ``specjax.slots``); False: every step waits.
+      Host and host-called device proposers always wait (they need step n's tokens
+      before step n+1).
+    steps_per_dispatch: engine iterations per device call for plain decoding and fused
+      proposers (``lax.scan`` inside ``specjax.steps.engine_step``): fewer host round
+      trips, but a row that ends inside a call idles (no writes) for the call's rest,
+      and new requests join at call boundaries. Stop strings are applied by the host
+      afterwards, so outputs do not change.
     synthetic_acceptance: None, or per-position acceptance probabilities in [0, 1]:
       verification accepts the leading run of Bernoulli draws instead of comparing
       draft and target (vLLM's synthetic rejection sampling); for timing the engine loop
@@ -136,6 +144,7 @@ class EngineConfig:
   min_prefill_bucket: int = 16
   max_num_batched_tokens: int = 512
   async_scheduling: bool = True
+  steps_per_dispatch: int = 1
   synthetic_acceptance: tuple[float, ...] | None = None
   seed: int = 0
   mesh: object = None
@@ -167,7 +176,7 @@ class EngineConfig:
                          "non-empty sequence of probabilities in [0, 1]")
       object.__setattr__(self, "synthetic_acceptance", rates)
     for name in ("max_num_seqs", "max_model_len", "page_size", "min_prefill_bucket",
-                 "max_num_batched_tokens"):
+                 "max_num_batched_tokens", "steps_per_dispatch"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
     if self.num_pages is not None and self.num_pages < self.pages_per_seq:

@@ -44,6 +44,7 @@ from specjax.request import (
 )
 from specjax.sampling import request_key
 from specjax.scheduler import Scheduler
+from specjax.slots import SlotAllocator, init_slots, write_slots
 from specjax.steps import SplitModel, StepPlan, engine_step, forward_step, split_model
 from specjax.tree import node_depths, tree_mask, tree_positions, validate_tree
 
@@ -113,6 +114,10 @@ class Engine:
     self.eos_ids = frozenset(int(t) for t in eos_token_ids)
     self.decode = decode
     self.k = method.num_speculative_tokens
+    if self.caps.runs_on not in ("host", "device", "fused"):
+      raise ValueError(f"method {method.name!r}: Capabilities.runs_on={self.caps.runs_on!r} "
+                       "must be 'host', 'device' or 'fused'")
+    self.fused = self.caps.runs_on == "fused"
     CompileMonitor.install()
     self.kv_caches = sharding.init_kv_pool(self.target, config.total_pages, config.page_size,
                                            self.mesh)
@@ -120,7 +125,6 @@ class Engine:
     itemsize = jnp.dtype(self.kv_caches.dtype).itemsize
     # The pool's own head count: KV heads repeated under tensor parallelism cost memory.
     self.kv_bytes_per_token = cfg.num_layers * self.kv_caches.shape[2] * cfg.head_dim * itemsize
-    self._prev_last = jnp.zeros(config.max_num_seqs, jnp.int32)
     self.runtime = RuntimeInfo(
         target=self.target, draft=self.draft, num_pages=config.total_pages,
         page_size=config.page_size, max_model_len=config.max_model_len,
@@ -262,6 +266,20 @@ class Engine:
     return max(0, min(self.k, self.config.max_model_len - len(st.tokens),
                       sp.max_tokens - st.num_output - 1))
 
+  def _kv_extent(self, st: RequestState, ahead: int) -> int:
+    """KV positions a row may have written after ``ahead`` more tokens: at most
+    ``len(tokens) + ahead``, and never past ``max_model_len`` or its last possible
+    pending token (prompt + max_tokens - 1: a step writes the pending token and at most
+    its budget of drafts)."""
+    limit = min(self.config.max_model_len, st.num_prompt + st.request.sampling.max_tokens - 1)
+    return max(len(st.tokens), min(len(st.tokens) + ahead, limit))
+
+  @property
+  def runs_ahead(self) -> bool:
+    """Steps are dispatched before the previous one is read: plain decoding and fused
+    proposers under ``EngineConfig.async_scheduling``."""
+    return self.config.async_scheduling and (self.k == 0 or self.fused)
+
   # ------------------------------------------------------------------ main loop
   def generate(self, requests: Sequence[Request], progress=None):
     """Runs all requests to completion.
@@ -279,8 +297,6 @@ class Engine:
     self._validate(requests)
     self._progress = progress
     cfg = self.config
-    # One extra position: an asynchronous decode step writes one token past the
-    # committed ones while the previous step is in flight.
     sched = Scheduler(cfg, reserve_tokens=self.k + 1)
     states = []
     for r in requests:
@@ -292,15 +308,19 @@ class Engine:
       st = RequestState(r, np.asarray(request_key(seed)), list(r.prompt_token_ids))
       states.append(st)
       sched.add(st)
+    self.slots = init_slots(cfg.max_num_seqs, cfg.max_model_len, self._num_stop_ids(requests))
+    self._slot_free = SlotAllocator(cfg.max_num_seqs)
     method_state = self.method.init_state(self.runtime)
     if self.mesh is not None:  # a draft's KV pool, a head's weights: onto the mesh
       method_state = sharding.place_state(method_state, self.mesh, self.target.config,
                                           sharded=cfg.draft_sharding == "sharded")
+    if self.fused:
+      self._pparams, self._pstate = self.method.init_device(self.runtime)
     metrics = RunMetrics(kv_bytes_per_token=self.kv_bytes_per_token)
     c0, s0 = CompileMonitor.snapshot()
     start = self._run_start = time.perf_counter()
     self._window = (start, CompileMonitor.snapshot())
-    inflight = None
+    self._inflight: list[dict] = []
     seen_by_method: set = set()
     while sched.has_work:
       now = time.perf_counter() - start
@@ -309,24 +329,24 @@ class Engine:
       if need:
         # Chunked prefill: at most max_num_batched_tokens (padded) per iteration, so a
         # long prompt delays the running requests by one chunk per step.
-        inflight = self._drain(inflight, sched, metrics, start, method_state)
+        self._drain(sched, metrics, start)
         method_state = self._prefill(self._prefill_rows(need), metrics, method_state)
         self._window = (time.perf_counter(), CompileMonitor.snapshot())
       ready = [st for st in sched.running if st.num_computed >= len(st.tokens) - 1]
       if not ready:
-        if inflight is not None:
-          inflight = self._drain(inflight, sched, metrics, start, method_state)
+        if self._inflight:
+          self._drain(sched, metrics, start)
         elif not sched.running:
           nxt = sched.next_arrival()
           time.sleep(max(0.0, nxt - now) if nxt is not None else 0.0)
           self._window = (time.perf_counter(), CompileMonitor.snapshot())
         continue
-      if self.k == 0 and cfg.async_scheduling:
-        inflight = self._decode_async(sched, ready, inflight, metrics, start, method_state)
+      if self.runs_ahead or self.fused or self.k == 0:
+        self._device_step(sched, metrics, start)
       else:
-        inflight = self._drain(inflight, sched, metrics, start, method_state)
-        method_state = self._sd_step(sched, method_state, metrics, start, seen_by_method)
-    inflight = self._drain(inflight, sched, metrics, start, method_state)
+        self._drain(sched, metrics, start)
+        method_state = self._host_step(sched, method_state, metrics, start, seen_by_method)
+    self._drain(sched, metrics, start)
     metrics.wall_s = time.perf_counter() - start
     c1, s1 = CompileMonitor.snapshot()
     metrics.num_compiles, metrics.compile_s = c1 - c0, s1 - s0
@@ -338,29 +358,63 @@ class Engine:
   _progress = None
   _run_start = 0.0
 
+  # ------------------------------------------------------------------ slots
+  def _num_stop_ids(self, requests) -> int:
+    """E, the slot state's stop-id width: a power of two >= 8 holding every request's
+    EOS + stop ids (one width per workload size class: few recompiles)."""
+    need = max((len(set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos
+                                                       else set(self.eos_ids)))
+                for r in requests), default=0)
+    return bucket(need, max(8, need), minimum=8)
+
+  def _assign_slots(self, rows: list[RequestState]) -> None:
+    """Gives decode-ready rows without a slot one, and writes their state (one call)."""
+    fresh = [st for st in rows if st.slot is None]
+    if fresh:
+      for st in fresh:
+        st.slot = self._slot_free.allocate()
+      self.slots = write_slots(self.slots, [st.slot for st in fresh], fresh, self.eos_ids)
+
+  def _release(self, sched: Scheduler, st: RequestState, *, preempted: bool = False) -> None:
+    if st.slot is not None:
+      self._slot_free.free(st.slot)
+      st.slot = None
+    st.inflight_tokens = 0
+    if not preempted:
+      sched.finish(st)
+
   # ------------------------------------------------------------------ steps
-  def _plan(self, sampler, fused_impl, length, *, tree=False, probs=False) -> StepPlan:
+  def _plan(self, sampler, fused_impl, length, *, tree=False, probs=False, host=True,
+            iterations=1) -> StepPlan:
     return StepPlan(
-        length=length, sampler=sampler, tree=tree, fused_implementation=tuple(fused_impl),
+        length=length, k=self.k, sampler=sampler, tree=tree, host_drafts=host,
+        num_iterations=iterations, fused_implementation=tuple(fused_impl),
         attention_implementation=self.config.attention_implementation,
-        hidden_layers=self.caps.target_hidden_layers, has_draft_probs=probs,
-        synthetic_acceptance=self.config.synthetic_acceptance,
-        num_layers=self.target.config.num_layers, max_num_seqs=self.config.max_num_seqs)
+        hidden_layers=self.caps.target_hidden_layers if host else (),
+        has_draft_probs=probs, synthetic_acceptance=self.config.synthetic_acceptance,
+        num_layers=self.target.config.num_layers)
 
   def _dispatch(self, plan, batch, draft_tokens=None, draft_probs=None, tree_arrays=None):
-    """One ``engine_step`` call; returns its device outputs without waiting."""
-    self.kv_caches, result, self._prev_last, hidden = engine_step(
-        self.target.graphdef, self.target.params, self.kv_caches, self._prev_last,
-        batch.ints, batch.floats, draft_tokens, draft_probs, tree_arrays, plan=plan)
-    return result, hidden
+    """One ``engine_step`` call; returns ``(results i32[N, B, L+3], hidden)`` (device
+    arrays) without waiting."""
+    proposer = self.method if self.fused and not plan.host_drafts else None
+    pparams, pstate = ((self._pparams, self._pstate) if proposer is not None else ((), ()))
+    self.kv_caches, self.slots, pstate, results, hidden = engine_step(
+        self.target.graphdef, self.target.params, self.kv_caches, self.slots, pparams, pstate,
+        batch.ints, draft_tokens, draft_probs, tree_arrays, plan=plan, proposer=proposer)
+    if proposer is not None:
+      self._pstate = pstate
+    return results, hidden
 
   def _record(self, metrics, rows, batch_bucket, length, width, num_draft, res, times,
-              host_extra=0.0):
+              host_extra=0.0, compiled=None):
     """Appends the StepRecord of a committed step; ``times`` = (window start, draft_s,
-    verify_s, end) and the step's compile flag comes from its wall window."""
+    verify_s, end) and the step's compile flag comes from its wall window (or
+    ``compiled``: every iteration of one call shares the call's flag)."""
     t_start, draft_s, verify_s, t_end = times
     snap = CompileMonitor.snapshot()
-    compiled = snap != self._window[1]
+    if compiled is None:
+      compiled = snap != self._window[1]
     metrics.steps.append(StepRecord(
         num_rows=len(rows), batch_bucket=batch_bucket, query_bucket=length + 1,
         pages_bucket=width, num_draft_tokens=int(np.sum(num_draft[: len(rows)])),
@@ -377,76 +431,94 @@ class Engine:
     if self._progress is not None:
       self._progress(res.num_emitted)
 
-  def _decode_async(self, sched, ready, inflight, metrics, start, method_state):
-    """Plain decoding: dispatches this step, then commits the one in flight.
+  def _device_step(self, sched, metrics, start):
+    """Plain decoding or a fused proposer: dispatches ``steps_per_dispatch`` iterations
+    from the device state, then (running ahead) reads and commits the call before it.
 
-    Rows of the in-flight step take their pending token from its device output
-    (``prev_row``) and count its token as written; rows it surely ends (by length) are
-    left out. Returns the new in-flight step.
+    Pages are reserved for the most tokens each row can gain in every call in flight
+    (``(L + 1)`` per iteration) and trimmed after the read. Under page pressure the
+    calls in flight are drained first, so preemption sees committed tokens.
     """
     cfg = self.config
-    prev_rows = {} if inflight is None else {id(st): i for i, st in enumerate(inflight["rows"])}
-
-    def ends_in_flight(st):  # the in-flight token reaches max_tokens / max_model_len
-      return (st.num_output + 1 >= st.request.sampling.max_tokens
-              or len(st.tokens) + 1 >= cfg.max_model_len)
-
-    rows = [st for st in ready if not (id(st) in prev_rows and ends_in_flight(st))]
-    extra = {st.request.request_id: (1 if id(st) in prev_rows else 0) for st in rows}
-    if not rows or sched.pages_short(extra):
-      # Nothing to overlap, or page pressure (preemption must see committed tokens).
-      inflight = self._drain(inflight, sched, metrics, start, method_state)
-      prev_rows = {}
+    length = self.k
+    iterations = cfg.steps_per_dispatch
+    advance = iterations * (length + 1)
+    rows = [st for st in sched.running if st.num_computed >= len(st.tokens) - 1]
+    extra = {st.request.request_id: self._kv_extent(st, st.inflight_tokens + advance)
+             - len(st.tokens) for st in rows}
+    if sched.pages_short(extra):
+      self._drain(sched, metrics, start)
       rows = [st for st in sched.running if st.num_computed >= len(st.tokens) - 1]
-      extra = {st.request.request_id: 0 for st in rows}
-      sched.reserve_step(extra)
+      extra = {st.request.request_id: self._kv_extent(st, advance) - len(st.tokens)
+               for st in rows}
+      for victim in sched.reserve_step(extra):
+        self._release(sched, victim, preempted=True)
       rows = [st for st in rows if st in sched.running]
       if not rows:
-        return None
+        return
     else:
       assert not sched.reserve_step(extra), "pages_short said the step fits"
+    self._assign_slots(rows)
     t0 = time.perf_counter()
     batch = bucket(len(rows), cfg.max_num_seqs)
-    lens = [len(st.tokens) + extra[st.request.request_id] for st in rows]
-    width = self._pages_bucket(lens)
-    sampler, fused, jnp_rows = self._sampler_plan(rows, False)
-    sb = build_batch(
-        batch=batch, width=width, length=0,
-        page_tables=[st.pages[: pages_needed(n, cfg.page_size)] for st, n in zip(rows, lens)],
-        kv_lens=lens, q_lens=[1] * len(rows), positions=lens,
-        pending=[st.tokens[-1] for st in rows],
-        prev_row=[prev_rows.get(id(st), -1) for st in rows],
-        top_k=[st.request.sampling.top_k for st in rows], keys=[st.key for st in rows],
-        num_draft=[0] * len(rows), temperature=[st.request.sampling.temperature for st in rows],
-        top_p=[st.request.sampling.top_p for st in rows], jnp_rows=jnp_rows)
-    result, _ = self._dispatch(self._plan(sampler, fused, 0), sb)
-    t1 = time.perf_counter()
-    self._drain(inflight, sched, metrics, start, method_state, dispatch_s=t1 - t0)
-    return {"rows": rows, "result": result, "batch": batch, "width": width,
-            "t_dispatched": t1, "dispatch_s": t1 - t0}
+    ends = [len(st.tokens) + extra[st.request.request_id] for st in rows]
+    width = self._pages_bucket(ends)
+    sampler, fused, _ = self._sampler_plan(rows, False)
+    sb = build_batch(batch=batch, width=width, length=0,
+                     page_tables=[st.pages[: pages_needed(n, cfg.page_size)]
+                                  for st, n in zip(rows, ends)],
+                     slots=[st.slot for st in rows])
+    plan = self._plan(sampler, fused, length, host=False, iterations=iterations)
+    results, _ = self._dispatch(plan, sb)
+    for st in rows:
+      st.inflight_tokens += advance
+    self._inflight.append({"rows": rows, "results": results, "batch": batch, "width": width,
+                           "length": length, "advance": advance,
+                           "dispatch_s": time.perf_counter() - t0})
+    depth = 1 if self.runs_ahead else 0
+    while len(self._inflight) > depth:
+      self._read_oldest(sched, metrics, start)
 
-  def _drain(self, inflight, sched, metrics, start, method_state, dispatch_s=None):
-    """Waits for and commits the in-flight plain-decoding step (if any); returns None."""
-    if inflight is None:
-      return None
-    result = np.asarray(inflight["result"])
-    t_end = time.perf_counter()
-    rows = inflight["rows"]
-    skip = [st.finish_reason is not None for st in rows]
-    num_draft = np.zeros(len(rows), np.int32)
-    res = commit_rows(rows, result, num_draft, k=0, eos_ids=self.eos_ids,
-                      max_model_len=self.config.max_model_len, decode=self.decode,
-                      now=t_end - start, skip=skip)
-    for st in res.finished:
-      sched.finish(st)
+  def _drain(self, sched, metrics, start) -> None:
+    """Reads and commits every call in flight."""
+    while self._inflight:
+      self._read_oldest(sched, metrics, start)
+
+  def _read_oldest(self, sched, metrics, start) -> None:
+    """Waits for the oldest call in flight and commits its iterations in order; rows
+    that ended (on the host: stop strings too) have their later work discarded. The
+    call's wall time (since the last commit) is split evenly over its iterations."""
+    call = self._inflight.pop(0)
+    results = np.asarray(call["results"])
+    t_start, snap0 = self._window
+    rows = call["rows"]
+    now = time.perf_counter() - start
+    commits = []
+    for result in results:
+      skip = [st.finish_reason is not None or result[i, -1] < 0 for i, st in enumerate(rows)]
+      num_draft = result[: len(rows), -2]
+      res = commit_rows(rows, result, num_draft, k=self.k, eos_ids=self.eos_ids,
+                        max_model_len=self.config.max_model_len, decode=self.decode,
+                        now=now, skip=skip)
+      for st in res.finished:
+        self._release(sched, st)
+      committed = [st for st, s in zip(rows, skip) if not s]
+      if committed:  # else every row ended before: its time joins the next step's
+        commits.append((committed, np.asarray([d for d, s in zip(num_draft, skip) if not s]),
+                        res))
+    for st in rows:
+      if st.finish_reason is None and st.slot is not None:
+        st.inflight_tokens -= call["advance"]
+        sched.trim(st, len(st.tokens) + st.inflight_tokens + self.k + 1)
+    if not commits:
+      return
     t_done = time.perf_counter()
-    t_start = self._window[0]
-    committed = [st for st, s in zip(rows, skip) if not s]
-    if not committed:  # every row ended in the step before: its time joins the next step's
-      return None
-    self._record(metrics, committed, inflight["batch"], 0, inflight["width"], num_draft, res,
-                 (t_start, 0.0, inflight["dispatch_s"], t_done))
-    return None
+    compiled = CompileMonitor.snapshot() != snap0
+    per_step = (t_done - t_start) / len(commits)
+    for i, (committed, num_draft, res) in enumerate(commits):
+      self._record(metrics, committed, call["batch"], call["length"], call["width"], num_draft,
+                   res, (t_start + i * per_step, 0.0, call["dispatch_s"] / len(results),
+                         t_start + (i + 1) * per_step), compiled=compiled)
 
   def _validate_draft(self, draft, rows: int, budgets: np.ndarray) -> np.ndarray:
     """Checks a method's ``Draft`` and returns the verified counts ``i32[rows]``
@@ -471,15 +543,17 @@ class Engine:
                            f"counted draft tokens must be in [0, {vocab})")
     return kept
 
-  def _sd_step(self, sched, method_state, metrics, start, seen_by_method):
-    """One synchronous step of a speculative method: propose, one fused device call,
-    commit, observe."""
+  def _host_step(self, sched, method_state, metrics, start, seen_by_method):
+    """One synchronous step of a method whose ``propose`` the host calls: propose, one
+    fused device call (drafts from the host), commit, observe."""
     cfg = self.config
     t_begin = self._window[0]
     budgets = {st.request.request_id: self._budget(st) for st in sched.running}
     for victim in sched.reserve_step(budgets):
       seen_by_method.discard(victim.request.request_id)
+      self._release(sched, victim, preempted=True)
     rows = [st for st in sched.running if st.num_computed >= len(st.tokens) - 1]
+    self._assign_slots(rows)
     batch = bucket(len(rows), cfg.max_num_seqs)
     width = self._pages_bucket([len(st.tokens) + budgets[st.request.request_id]
                                 for st in rows])
@@ -495,7 +569,7 @@ class Engine:
     new = frozenset(i for i in ids if i not in seen_by_method)
     seen_by_method.update(ids)
     ctx = ProposeContext(
-        request_ids=ids, token_ids=[np.asarray(st.tokens, np.int32) for st in rows],
+        request_ids=ids, token_ids=[st.token_array() for st in rows],
         budgets=np.asarray([budgets[i] for i in ids], np.int32), page_indices=table,
         temperature=temp, top_k=top_k, top_p=top_p, keys=keys, new_requests=new,
     )
@@ -530,16 +604,12 @@ class Engine:
         if device_drafts.shape[0] != batch:
           raise ValueError(f"method {self.method.name!r}: device Draft.tokens must have the "
                            f"padded batch's {batch} rows, got {device_drafts.shape}")
-    sampler, fused, jnp_rows = self._sampler_plan(rows, is_tree)
+    sampler, fused, _ = self._sampler_plan(rows, is_tree)
     sb = build_batch(
         batch=batch, width=width, length=length,
         page_tables=[st.pages[: pages_needed(n + int(d), cfg.page_size)]
                      for st, n, d in zip(rows, lens, kept)],
-        kv_lens=[n + int(d) for n, d in zip(lens, kept)], q_lens=[1 + int(d) for d in kept],
-        positions=lens, pending=[st.tokens[-1] for st in rows], prev_row=[-1] * len(rows),
-        top_k=top_k[: len(rows)], keys=keys[: len(rows)], num_draft=kept,
-        temperature=temp[: len(rows)], top_p=top_p[: len(rows)], jnp_rows=jnp_rows,
-        drafts=host_drafts)
+        slots=[st.slot for st in rows], num_draft=kept, drafts=host_drafts)
     tree_arrays = reach = None
     if is_tree:
       parents = np.full((batch, length), -1, np.int32)
@@ -559,14 +629,14 @@ class Engine:
       probs = draft.probs
     plan = self._plan(sampler, fused, length, tree=is_tree, probs=probs is not None)
     t2 = time.perf_counter()
-    result, hidden = self._dispatch(plan, sb, device_drafts, probs, tree_arrays)
-    result = np.asarray(result)
+    results, hidden = self._dispatch(plan, sb, device_drafts, probs, tree_arrays)
+    result = np.asarray(results)[0]
     t3 = time.perf_counter()
     res = commit_rows(rows, result, num_draft, k=self.k, eos_ids=self.eos_ids,
                       max_model_len=cfg.max_model_len, decode=self.decode, now=t3 - start,
                       reach=reach)
     for st in res.finished:
-      sched.finish(st)
+      self._release(sched, st)
     method_state = self.method.observe(method_state, VerifyResult(
         request_ids=ids, num_accepted=result[: len(rows), -1].copy(), emitted=res.emitted,
         finished=frozenset(st.request.request_id for st in res.finished),

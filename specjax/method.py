@@ -11,10 +11,11 @@ import abc
 import dataclasses
 from typing import Any, ClassVar
 
+import jax
 import numpy as np
 
-__all__ = ["Capabilities", "Draft", "Method", "PrefillResult", "ProposeContext", "RuntimeInfo",
-           "VerifyResult"]
+__all__ = ["Capabilities", "DeviceDraft", "DeviceRows", "Draft", "Method", "PrefillResult",
+           "ProposeContext", "RuntimeInfo", "VerifyResult"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +23,10 @@ class Capabilities:
   """What a method needs and emits.
 
   Attributes:
-    runs_on: "host" (numpy proposer) or "device" (jitted proposer).
+    runs_on: "host" (numpy ``propose``), "device" (``propose`` calls its own jitted
+      functions; the engine waits for each step before the next ``propose``), or "fused"
+      (``propose_device`` is a pure function the engine traces into its one jitted call
+      per iteration, so iterations run asynchronously: ``Method.propose_device``).
     emits_draft_probs: True if ``Draft.probs`` carries q (needed for stochastic
       verification against a real draft distribution).
     target_hidden_layers: HF ``hidden_states`` indices of the target the method reads.
@@ -157,8 +161,56 @@ class PrefillResult:
   target_hidden: tuple = ()
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeviceRows:
+  """The rows of one fused step as a ``propose_device`` sees them (device arrays over
+  the padded batch B; M = max_model_len).
+
+  Attributes:
+    slots: ``i32[B]`` decode slot of each row (-1: padding).
+    active: ``bool[B]`` a real row the device has not finished.
+    tokens: ``i32[B, M]`` prompt + committed tokens (position p at column p); the last,
+      ``tokens[b, num_tokens[b] - 1]``, is pending (its KV is not yet written).
+    num_tokens: ``i32[B]`` committed tokens.
+    budgets: ``i32[B]`` the most draft tokens the row may get (0 for inactive rows).
+    page_indices: ``i32[B, W]`` the target's page table of the step.
+    temperature, top_p: ``f32[B]``; top_k: ``i32[B]``; keys: ``u32[B, 2]``.
+  """
+
+  slots: jax.Array
+  active: jax.Array
+  tokens: jax.Array
+  num_tokens: jax.Array
+  budgets: jax.Array
+  page_indices: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  keys: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DeviceDraft:
+  """A fused proposer's draft: ``tokens i32[B, k]`` (-1 padded), ``num_tokens i32[B]``
+  (the engine keeps at most each row's budget and the step's width), optional ``probs
+  f32[B, k, V]`` (q; None: one-hot drafts)."""
+
+  tokens: jax.Array
+  num_tokens: jax.Array
+  probs: Any = None
+
+
 class Method(abc.ABC):
-  """Base of all SD methods. Subclasses are frozen keyword-only dataclasses."""
+  """Base of all SD methods. Subclasses are frozen keyword-only dataclasses.
+
+  Host and "device" methods implement ``propose`` (called by the host loop once per
+  step, synchronously). A "fused" method (``Capabilities.runs_on == "fused"``)
+  implements ``init_device`` and ``propose_device`` instead: a pure, jittable function
+  of (its params, its device state, the step's ``DeviceRows``) that the engine traces
+  into the one device call of each iteration; nothing of it runs on the host.
+  """
 
   name: ClassVar[str]
 
@@ -169,6 +221,12 @@ class Method(abc.ABC):
 
   def capabilities(self) -> Capabilities:
     return Capabilities()
+
+  def host_capabilities(self) -> Capabilities:
+    """``capabilities()`` as seen by a composite method that calls this one's ``propose``
+    from the host: a "fused" method is then a host method (its numpy ``propose``)."""
+    caps = self.capabilities()
+    return dataclasses.replace(caps, runs_on="host") if caps.runs_on == "fused" else caps
 
   def init_state(self, runtime: RuntimeInfo) -> Any:
     return None
@@ -183,6 +241,19 @@ class Method(abc.ABC):
   def observe_prefill(self, state: Any, result: PrefillResult) -> Any:
     """Sees the target hidden states of a prefill (only if it asked for hidden layers)."""
     return state
+
+  def init_device(self, runtime: RuntimeInfo) -> tuple[Any, Any]:
+    """``(params, state)`` pytrees of a fused proposer (device arrays; both may be ``()``).
+    ``params`` are read-only; ``state`` is threaded through (and donated to) every step."""
+    return (), ()
+
+  def propose_device(self, params: Any, state: Any, rows: DeviceRows) -> tuple[Any, DeviceDraft]:
+    """The fused proposer (traced inside the engine step; pure jnp, no host syncs).
+
+    Raises:
+      NotImplementedError: the method is not "fused".
+    """
+    raise NotImplementedError(f"method {self.name!r} has no fused device proposer")
 
   def describe(self) -> dict:
     """Flat dict of the config, recorded in result rows."""

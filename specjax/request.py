@@ -74,6 +74,26 @@ class RequestState:
   num_accepted_tokens: int = 0
   num_preemptions: int = 0
   text_len_checked: int = 0
+  slot: int | None = None  # decode slot in the device SlotState (None: not decode-ready)
+  inflight_tokens: int = 0  # most tokens the steps in flight may still add
+  _buffer: np.ndarray | None = dataclasses.field(default=None, repr=False)
+  _buffered: int = 0
+
+  def token_array(self) -> np.ndarray:
+    """``i32[len(tokens)]`` view of ``tokens`` kept in a growing numpy buffer: each call
+    copies only the tokens appended since the last one (host drafters read this every
+    step; converting the whole list each time costs O(length) per row per step)."""
+    n = len(self.tokens)
+    if self._buffered > n:  # tokens were replaced, not appended
+      self._buffered = 0
+    if self._buffer is None or self._buffer.shape[0] < n:
+      grown = np.empty(max(64, 2 * n), np.int32)
+      grown[: self._buffered] = self._buffer[: self._buffered] if self._buffered else 0
+      self._buffer = grown
+    if self._buffered < n:
+      self._buffer[self._buffered: n] = self.tokens[self._buffered:]
+      self._buffered = n
+    return self._buffer[:n]
 
   @property
   def num_prompt(self) -> int:

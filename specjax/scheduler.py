@@ -98,6 +98,14 @@ class Scheduler:
       extra += max(0, pages_needed(n, self.config.page_size) - len(state.pages))
     return extra > self.allocator.num_free
 
+  def trim(self, state: RequestState, num_tokens: int) -> None:
+    """Returns the pages of ``state`` past those covering ``num_tokens`` positions (pages
+    reserved ahead for steps in flight that wrote less)."""
+    keep = pages_needed(min(num_tokens, self.config.max_model_len), self.config.page_size)
+    if len(state.pages) > keep:
+      self.allocator.free(state.pages[keep:])
+      del state.pages[keep:]
+
   def preempt(self, state: RequestState) -> None:
     self.running.remove(state)
     self.allocator.free(state.pages)

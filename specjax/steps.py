@@ -18,10 +18,13 @@ from flax import nnx
 from models.llama import unstack_layer_params
 from pallas_kernels.paged_attention import copy_kv
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
+from specjax.method import DeviceRows
+from specjax.slots import SlotState, slot_rows
 from specjax.verify import fused_rejection_sample, rejection_sample, tree_rejection_sample
 
-__all__ = ["SAMPLERS", "SplitModel", "StepPlan", "engine_step", "split_model", "forward_step", "fused_verify_step", "gather_rows",
-           "move_kv_step", "tree_verify_step", "verify_step"]
+__all__ = ["SAMPLERS", "SplitModel", "StepPlan", "commit_on_device", "engine_step", "forward_step",
+           "fused_verify_step", "gather_rows", "move_kv_step", "split_model", "tree_verify_step",
+           "verify_step"]
 
 
 class SplitModel(NamedTuple):
@@ -128,43 +131,59 @@ class StepPlan:
   """Static choices of one compiled engine step (hashable: a static jit argument).
 
   Attributes:
-    length: L, the verify width minus one (0 = plain decode); the bucket of the longest
-      draft proposed in the step, not k.
+    length: L, the verify width minus one (0 = plain decode). Host drafts: the bucket of
+      the longest draft proposed in the step. Fused proposers: the bucket of k (the
+      drafts are not known to the host when it dispatches).
+    k: the method's most draft tokens per row (the device's budget cap).
     sampler: "greedy" (every row greedy: argmax rule only), "jnp"
       (``rejection_sample``: temperature, top-k, top-p), "fused"
-      (``fused_rejection_sample``: temperature only), "fused+jnp" (both; rows flagged in
-      the batch's ``jnp_rows`` column take the jnp result).
+      (``fused_rejection_sample``: temperature only), "fused+jnp" (both; rows with
+      top-k or top-p take the jnp result).
     tree: the step verifies tree drafts (``tree_rejection_sample``; sampler is
-      "greedy" or "jnp").
+      "greedy" or "jnp"); host drafts only.
+    host_drafts: the drafts come from the host (the batch's columns, or the
+      ``draft_tokens`` argument), not from a fused proposer.
+    num_iterations: engine iterations run by this one call (``lax.scan``; each row's
+      pages must cover ``num_iterations * (length + 1)`` more tokens). A row that ends
+      in iteration i is inactive (no writes, no tokens) in the later ones.
     fused_implementation: ``pallas_kernels.verify`` implementation(s) for "fused".
     attention_implementation: paged-attention implementation(s).
-    hidden_layers: target hidden-state layers returned (rows in commit order).
-    has_draft_probs: the step gets ``draft_probs f32[B, L, V]``.
+    hidden_layers: target hidden-state layers returned (rows in commit order; of the
+      last iteration).
+    has_draft_probs: the step gets ``draft_probs f32[B, L, V]`` (host-side proposers).
     synthetic_acceptance: None, or per-position acceptance probabilities
       ``(a_1, .., a_L')``: the accepted length is drawn as the leading run of
       Bernoulli(a_j) successes (positions past the tuple use its last value), capped at
       the row's drafts, instead of comparing draft and target (vLLM's "synthetic"
       rejection sampling; for timing the engine loop with random weights; NOT lossless).
-    num_layers, max_num_seqs: static sizes (KV moves of tree paths; the padded
-      last-token carry).
+    num_layers: static layer count (KV moves of tree paths).
   """
 
   length: int
   sampler: str
+  k: int = 0
   tree: bool = False
+  host_drafts: bool = True
+  num_iterations: int = 1
   fused_implementation: tuple[str, ...] = ("reference",)
   attention_implementation: str | tuple[str, ...] = "reference"
   hidden_layers: tuple[int, ...] = ()
   has_draft_probs: bool = False
   synthetic_acceptance: tuple[float, ...] | None = None
   num_layers: int = 1
-  max_num_seqs: int = 1
 
   def __post_init__(self):
     if self.sampler not in SAMPLERS:
       raise ValueError(f"sampler={self.sampler!r} must be one of {SAMPLERS}")
     if self.tree and self.sampler not in ("greedy", "jnp"):
       raise ValueError(f"tree steps verify with 'greedy' or 'jnp', not sampler={self.sampler!r}")
+    if self.num_iterations < 1:
+      raise ValueError(f"num_iterations={self.num_iterations} must be >= 1")
+    if self.num_iterations > 1 and (self.host_drafts and self.length or self.tree
+                                    or self.hidden_layers):
+      raise ValueError("several iterations per call need a fused proposer or plain decoding "
+                       f"(length={self.length}, host_drafts={self.host_drafts}, "
+                       f"tree={self.tree}, hidden_layers={self.hidden_layers})")
 
 
 STREAM_SYNTHETIC = 3
@@ -204,50 +223,123 @@ def _tree_path_fixups(kv_caches, page_indices, nodes, accepted, positions, hidde
   return kv_caches, hidden
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "plan"),
-                   donate_argnames=("kv_caches",))
-def engine_step(graphdef, params, kv_caches, prev_last, ints, floats, draft_tokens,
-                draft_probs, tree_arrays, *, plan: StepPlan):
-  """One engine iteration on the device: target forward over ``[pending, d_1 .. d_L]``
-  per row, verification / sampling, tree-path KV fix-ups, all in one call.
+def _verify(plan: StepPlan, logits, drafts, parents, num_draft, probs, rows, positions):
+  """The shared verifier of a step: ``(tokens i32[B, L+1] (-1 padded), accepted i32[B],
+  tree nodes or None)``; no method is known here."""
+  greedy = plan.sampler == "greedy"
+  temperature, top_k, top_p, keys = rows["temperature"], rows["top_k"], rows["top_p"], rows["keys"]
+  nodes = None
+  if plan.tree:
+    toks, acc, nodes = tree_rejection_sample(
+        logits, drafts, parents, num_draft, probs, temperature, top_k, top_p, keys, positions,
+        all_greedy=greedy)
+  elif plan.sampler in ("fused", "fused+jnp"):
+    toks, acc = fused_rejection_sample(logits, drafts, num_draft, probs, temperature, keys,
+                                       positions, implementation=plan.fused_implementation)
+    if plan.sampler == "fused+jnp":
+      toks_j, acc_j = rejection_sample(logits, drafts, num_draft, probs, temperature, top_k,
+                                       top_p, keys, positions, all_greedy=False)
+      sel = (top_k > 0) | (top_p < 1)
+      toks, acc = jnp.where(sel[:, None], toks_j, toks), jnp.where(sel, acc_j, acc)
+  else:
+    toks, acc = rejection_sample(logits, drafts, num_draft, probs, temperature, top_k, top_p,
+                                 keys, positions, all_greedy=greedy)
+  length = plan.length
+  if plan.synthetic_acceptance is not None and length:
+    acc = _synthetic_accepted(keys, positions, num_draft, plan.synthetic_acceptance, length)
+    arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    last_tok = jnp.take_along_axis(arg, acc[:, None], axis=1)[:, 0]
+    j = jnp.arange(length + 1)[None]
+    padded = jnp.concatenate([drafts, jnp.full((drafts.shape[0], 1), -1, jnp.int32)], axis=1)
+    toks = jnp.where(j < acc[:, None], padded, -1)
+    toks = jnp.where(j == acc[:, None], last_tok[:, None], toks).astype(jnp.int32)
+  return toks, acc, nodes
+
+
+def commit_on_device(slots: SlotState, row_slots, rows: dict, toks, active):
+  """Appends each active row's emitted tokens to its slot with the stop rules, on the
+  device, exactly as ``specjax.request.RequestState.append`` does on the host: token j
+  of a row is kept, then the row ends if it is a stop id, if the output reaches
+  ``max_tokens`` or the sequence ``max_model_len``; later tokens are dropped.
+
+  Example: num_tokens 10, num_prompt 8, max_tokens 4, tokens [5, 6, 7, -1] (3 emitted):
+  5 is output token 3, 6 is output token 4 = max_tokens, so [5, 6] are kept, 7 dropped,
+  the slot gets num_tokens 12 and finished.
 
   Args:
-    graphdef, params: the target (``split_model``).
-    kv_caches: the target's paged KV (donated).
-    prev_last: ``i32[max_num_seqs]`` the last emitted token of each row of the previous
-      step (its ``last`` output); rows whose ``prev_row`` column is >= 0 take their
-      pending token from it, so a step can be dispatched before the host has read the
-      previous one (asynchronous AR decoding).
-    ints, floats: the packed host batch (``specjax.batch.StepBatch``): ``i32[B, C]``
-      and ``f32[B, 2]``.
-    draft_tokens: ``i32[B, >= L]`` device drafts (e.g. a draft model's), or None: the
-      host drafts packed in ``ints``.
-    draft_probs: ``f32[B, L, V]`` or None (``plan.has_draft_probs``).
-    tree_arrays: None, or ``(parents i32[B, L], tree_mask bool[B, L+1, L+1], positions
-      i32[B, L+1])`` for tree steps.
-    plan: ``StepPlan`` (static).
+    slots: the ``SlotState``; row_slots ``i32[B]``; rows: ``slot_rows(slots, row_slots)``.
+    toks: ``i32[B, T]`` emitted tokens (-1 past each row's count).
+    active: ``bool[B]`` rows that take part.
 
   Returns:
-    ``(kv_caches, result i32[B, L+2], last i32[max_num_seqs], hidden)``: ``result[b,
-    :L+1]`` the output tokens (-1 padded; row b emits ``result[b, :a+1]``), ``result[b,
-    L+1]`` = a, the number of accepted drafts; ``last`` the final emitted token per row
-    (zero padded to ``max_num_seqs``); ``hidden`` a tuple of ``[B, L+1, D]`` target
-    hidden states, rows in commit order.
+    ``(slots, kept i32[B, T] (-1 past the kept tokens), num_kept i32[B])``.
   """
-  from specjax.batch import unpack_batch  # noqa: PLC0415 (batch imports this module's plan)
+  num_slots, max_len = slots.num_slots, slots.max_model_len
+  n_tok, stop_ids = rows["num_tokens"], rows["stop_ids"]
+  j = jnp.arange(toks.shape[1])[None]
+  emitted = active[:, None] & (toks >= 0)
+  is_stop = jnp.any((toks[:, :, None] == stop_ids[:, None, :]) & (stop_ids[:, None, :] >= 0),
+                    axis=-1)
+  num_out = (n_tok - rows["num_prompt"])[:, None]
+  at_limit = (num_out + j + 1 >= rows["max_tokens"][:, None]) | (n_tok[:, None] + j + 1 >= max_len)
+  stop = (is_stop | at_limit) & emitted
+  ends = jnp.any(stop, axis=1)
+  count = jnp.sum(emitted, axis=1).astype(jnp.int32)
+  num_kept = jnp.where(ends, jnp.argmax(stop, axis=1) + 1, count).astype(jnp.int32)
+  keep = j < num_kept[:, None]
+  kept = jnp.where(keep, toks, -1)
+  target_row = jnp.where(keep, row_slots[:, None], num_slots)  # out of range: dropped
+  tokens = slots.tokens.at[target_row, jnp.minimum(n_tok[:, None] + j, max_len - 1)].set(
+      kept, mode="drop")
+  slot_of_active = jnp.where(active, row_slots, num_slots)
+  num_tokens = slots.num_tokens.at[slot_of_active].add(num_kept, mode="drop")
+  finished = slots.finished.at[jnp.where(active & ends, row_slots, num_slots)].set(
+      True, mode="drop")
+  return dataclasses.replace(slots, tokens=tokens, num_tokens=num_tokens,
+                             finished=finished), kept, num_kept
 
+
+def _iteration(plan: StepPlan, proposer, graphdef, params, proposer_params, batch, draft_tokens,
+               draft_probs, tree_arrays, carry):
+  """One engine iteration: propose (fused), forward, verify, commit on the device."""
+  kv_caches, slots, pstate = carry
   length = plan.length
-  b = unpack_batch(ints, floats, length)
-  pending = jnp.where(b.prev_row >= 0, prev_last[jnp.maximum(b.prev_row, 0)], b.pending)
-  valid = jnp.arange(length)[None] < b.num_draft[:, None]
-  source = b.drafts if draft_tokens is None else draft_tokens[:, :length]
+  rows = slot_rows(slots, batch.slots)
+  active = rows["active"]
+  n_tok = rows["num_tokens"]
+  num_out = n_tok - rows["num_prompt"]
+  budgets = jnp.minimum(jnp.minimum(plan.k, slots.max_model_len - n_tok),
+                        rows["max_tokens"] - num_out - 1)
+  budgets = jnp.where(active, jnp.maximum(budgets, 0), 0).astype(jnp.int32)
+  probs = None
+  if not length:
+    source = jnp.zeros((n_tok.shape[0], 0), jnp.int32)
+    num_draft = jnp.zeros_like(n_tok)
+  elif plan.host_drafts:
+    source = batch.drafts if draft_tokens is None else draft_tokens[:, :length]
+    num_draft = batch.num_draft
+    probs = draft_probs[:, :length] if plan.has_draft_probs else None
+  else:
+    view = DeviceRows(slots=batch.slots, active=active, tokens=rows["tokens"], num_tokens=n_tok,
+                      budgets=budgets, page_indices=batch.page_indices,
+                      temperature=rows["temperature"], top_k=rows["top_k"], top_p=rows["top_p"],
+                      keys=rows["keys"])
+    pstate, draft = proposer.propose_device(proposer_params, pstate, view)
+    source, num_draft = draft.tokens[:, :length], draft.num_tokens
+    if draft.probs is not None:
+      probs = draft.probs[:, :length]
+  num_draft = jnp.minimum(jnp.minimum(num_draft, budgets), length).astype(jnp.int32)
+  valid = jnp.arange(length)[None] < num_draft[:, None]
   drafts = jnp.where(valid, source, -1).astype(jnp.int32)
-  tokens = jnp.concatenate([pending[:, None], jnp.maximum(drafts, 0)], axis=1)
-  meta = AttentionMetadata(b.page_indices, b.kv_lens, b.q_lens)
+  pending = jnp.take_along_axis(rows["tokens"], jnp.maximum(n_tok - 1, 0)[:, None], axis=1)
+  tokens = jnp.concatenate([pending, jnp.maximum(drafts, 0)], axis=1)
+  q_lens = jnp.where(active, 1 + num_draft, 0).astype(jnp.int32)
+  kv_lens = jnp.where(active, n_tok + num_draft, 0).astype(jnp.int32)
+  meta = AttentionMetadata(batch.page_indices, kv_lens, q_lens)
   parents = None
   if plan.tree:
     parents, mask, tree_pos = tree_arrays
-    meta = AttentionMetadata(b.page_indices, b.kv_lens, b.q_lens, tree_mask=mask,
+    meta = AttentionMetadata(batch.page_indices, kv_lens, q_lens, tree_mask=mask,
                              positions=tree_pos)
   model = nnx.merge(graphdef, params)
   logits_idx = jnp.broadcast_to(jnp.arange(length + 1, dtype=jnp.int32),
@@ -255,39 +347,61 @@ def engine_step(graphdef, params, kv_caches, prev_last, ints, floats, draft_toke
   kv_caches, out = model(kv_caches, tokens, meta, hidden_layers=plan.hidden_layers,
                          logits_indices=logits_idx,
                          implementation=plan.attention_implementation)
-  logits, hidden = out.logits, out.hidden
-  probs = draft_probs[:, :length] if plan.has_draft_probs and length else None
-  greedy = plan.sampler == "greedy"
+  hidden = out.hidden
+  toks, acc, nodes = _verify(plan, out.logits, drafts, parents, num_draft, probs, rows, n_tok)
   if plan.tree:
-    toks, acc, nodes = tree_rejection_sample(
-        logits, drafts, parents, b.num_draft, probs, b.temperature, b.top_k, b.top_p,
-        b.keys, b.positions, all_greedy=greedy)
-  elif plan.sampler in ("fused", "fused+jnp"):
-    toks, acc = fused_rejection_sample(logits, drafts, b.num_draft, probs, b.temperature,
-                                       b.keys, b.positions,
-                                       implementation=plan.fused_implementation)
-    if plan.sampler == "fused+jnp":
-      toks_j, acc_j = rejection_sample(logits, drafts, b.num_draft, probs, b.temperature,
-                                       b.top_k, b.top_p, b.keys, b.positions,
-                                       all_greedy=False)
-      sel = b.jnp_rows > 0
-      toks, acc = jnp.where(sel[:, None], toks_j, toks), jnp.where(sel, acc_j, acc)
-  else:
-    toks, acc = rejection_sample(logits, drafts, b.num_draft, probs, b.temperature, b.top_k,
-                                 b.top_p, b.keys, b.positions, all_greedy=greedy)
-  if plan.synthetic_acceptance is not None and length:
-    acc = _synthetic_accepted(b.keys, b.positions, b.num_draft, plan.synthetic_acceptance,
-                              length)
-    arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    last_tok = jnp.take_along_axis(arg, acc[:, None], axis=1)[:, 0]
-    j = jnp.arange(length + 1)[None]
-    padded = jnp.concatenate([drafts, jnp.full((drafts.shape[0], 1), -1, jnp.int32)], axis=1)
-    toks = jnp.where(j < acc[:, None], padded, -1)
-    toks = jnp.where(j == acc[:, None], last_tok[:, None], toks).astype(jnp.int32)
-  if plan.tree:
-    kv_caches, hidden = _tree_path_fixups(kv_caches, b.page_indices, nodes, acc, b.positions,
+    kv_caches, hidden = _tree_path_fixups(kv_caches, batch.page_indices, nodes, acc, n_tok,
                                           hidden, plan.num_layers)
-  last = jnp.take_along_axis(toks, acc[:, None], axis=1)[:, 0]
-  last = jnp.zeros(plan.max_num_seqs, jnp.int32).at[: last.shape[0]].set(last)
-  result = jnp.concatenate([toks, acc[:, None].astype(jnp.int32)], axis=1)
-  return kv_caches, result, last, tuple(hidden)
+  slots, kept, _ = commit_on_device(slots, batch.slots, rows, toks, active)
+  result = jnp.concatenate([kept, num_draft[:, None], jnp.where(active, acc, -1)[:, None]],
+                           axis=1).astype(jnp.int32)
+  return (kv_caches, slots, pstate), result, tuple(hidden)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "proposer"),
+                   donate_argnames=("kv_caches", "slots", "proposer_state"))
+def engine_step(graphdef, params, kv_caches, slots, proposer_params, proposer_state, ints,
+                draft_tokens, draft_probs, tree_arrays, *, plan: StepPlan, proposer=None):
+  """``plan.num_iterations`` engine iterations in one device call: per iteration and
+  row, the fused proposer's drafts (or the host's), the target forward over
+  ``[pending, d_1 .. d_L]``, verification / sampling, tree-path KV fix-ups and the
+  commit into the row's slot with the stop rules (``commit_on_device``). Nothing here
+  waits for the host, so the next call can be dispatched before this one is read.
+
+  Args:
+    graphdef, params: the target (``split_model``).
+    kv_caches: the target's paged KV (donated).
+    slots: the ``specjax.slots.SlotState`` (donated).
+    proposer_params, proposer_state: the fused proposer's pytrees (``Method.init_device``;
+      the state is donated), or ``()``.
+    ints: the packed host batch (``specjax.batch.build_batch``), ``i32[B, W + 2 + L']``.
+    draft_tokens: ``i32[B, >= L]`` device drafts of a host-called proposer, or None.
+    draft_probs: ``f32[B, L, V]`` or None (``plan.has_draft_probs``).
+    tree_arrays: None, or ``(parents i32[B, L], tree_mask bool[B, L+1, L+1], positions
+      i32[B, L+1])`` for tree steps.
+    plan: ``StepPlan`` (static). proposer: the fused ``Method`` (static) or None.
+
+  Returns:
+    ``(kv_caches, slots, proposer_state, result i32[N, B, L+3], hidden)``: per iteration
+    n and row b, ``result[n, b, :L+1]`` the committed tokens (-1 padded; the stop rules
+    already applied), ``result[n, b, L+1]`` the drafts verified, ``result[n, b, L+2]`` the
+    accepted drafts (-1: the row was inactive: padding, or finished on the device);
+    ``hidden`` a tuple of ``[B, L+1, D]`` target hidden states of the last iteration.
+  """
+  from specjax.batch import unpack_batch  # noqa: PLC0415 (batch imports the kernel metadata)
+
+  batch = unpack_batch(ints, plan.length if plan.host_drafts else 0)
+  step = functools.partial(_iteration, plan, proposer, graphdef, params, proposer_params, batch,
+                           draft_tokens, draft_probs, tree_arrays)
+  carry = (kv_caches, slots, proposer_state)
+  if plan.num_iterations == 1:
+    carry, result, hidden = step(carry)
+    results = result[None]
+  else:  # a scan, not a while_loop: a device-side loop condition blocks the dispatch
+    def body(c, _):
+      c, r, _ = step(c)
+      return c, r
+    carry, results = jax.lax.scan(body, carry, None, length=plan.num_iterations)
+    hidden = ()
+  kv_caches, slots, proposer_state = carry
+  return kv_caches, slots, proposer_state, results, hidden

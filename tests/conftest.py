@@ -7,6 +7,10 @@ module alone passed; the likely cause is resource exhaustion by accumulated exec
 (their memory mappings count against ``vm.max_map_count``), not proven.
 ``jax.clear_caches()`` after each module drops them; with it the suite passes and the
 process stays under 1,700 mappings (``SPECJAX_TEST_MAPS_LOG=file`` logs the count).
+
+The persistent compilation cache (``specjax.compile_cache``, which the evaluation runs turn
+on) writes to a fresh directory per session, never to the user's ``~/.cache/specjax``,
+unless ``SPECJAX_COMPILATION_CACHE`` is already set (``0`` runs the suite without it).
 """
 
 import gc
@@ -14,6 +18,8 @@ import os
 
 import jax
 import pytest
+
+from specjax.compile_cache import CACHE_ENV
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -24,6 +30,16 @@ def _num_mappings() -> int:
       return sum(1 for _ in f)
   except OSError:
     return -1
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_compilation_cache(tmp_path_factory):
+  if os.environ.get(CACHE_ENV):
+    yield
+    return
+  os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("jax_compilation_cache"))
+  yield
+  del os.environ[CACHE_ENV]
 
 
 @pytest.fixture(autouse=True, scope="module")
