@@ -2,10 +2,15 @@
 commit) timed per step at any model shape, against the HBM roofline and the device's
 own busy time.
 
-Rows drafting L tokens use a zero-cost host drafter (``ConstantDrafter``: L copies of
-the pending token) with synthetic acceptance 1.0 (``EngineConfig.synthetic_acceptance``),
-so every step verifies and commits L + 1 tokens and c(L) = (SD step time) / (AR step
-time) at the same batch and context is the engine's verification cost alone. Prompts
+Rows drafting L tokens use a zero-cost drafter (``ConstantDrafter``: L copies of the
+pending token; ``--drafter=constant`` drafts inside the fused device step, so SD
+iterations run asynchronously like AR ones; ``constant_host`` drafts on the host, one
+synchronous step each) with synthetic acceptance 1.0
+(``EngineConfig.synthetic_acceptance``), so every step verifies and commits L + 1 tokens
+and c(L) = (SD step time) / (AR step time) at the same batch and context is the engine's
+verification cost alone. ``--drafter=draft_model`` drafts with a random-weight draft
+model of the ``--draft`` shape (a real device drafter: its forwards are in the step and
+in ``device_ms``). ``--steps_per_dispatch=N`` runs N iterations per device call. Prompts
 are ``context`` random token ids; every request generates ``new_tokens`` tokens.
 
 Per (batch, context, L): ``step_ms`` = mean wall time of the steady (non-compiling)
@@ -86,10 +91,21 @@ def _target(name: str, dtype: str, num_layers: int | None = None, mesh=None):
 def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                     new_tokens: int, attention_implementation, profile: bool,
                     layer_execution: str = "unrolled", meshes=("none",), num_layers=None,
-                    log=print) -> pd.DataFrame:
+                    drafter: str = "constant", draft: str | None = None,
+                    steps_per_dispatch: int = 1, log=print) -> pd.DataFrame:
   """One row per (num_layers, mesh, batch, context, L); see the module docstring.
   ``target`` is a ``SHAPES`` name (random weights) or a ``models.zoo`` model (real
-  weights); ``meshes`` holds "none" and/or ``specjax.sharding.parse_mesh`` strings."""
+  weights); ``meshes`` holds "none" and/or ``specjax.sharding.parse_mesh`` strings;
+  ``drafter`` is "constant" (fused), "constant_host" or "draft_model" (with the
+  ``draft`` shape, random weights).
+
+  Raises:
+    ValueError: an unknown ``drafter``, or "draft_model" without ``draft``.
+  """
+  if drafter not in DRAFTERS:
+    raise ValueError(f"drafter={drafter!r} must be one of {DRAFTERS}")
+  if drafter == "draft_model" and not draft:
+    raise ValueError("drafter='draft_model' needs draft= (a models.shapes name)")
   bw = read_bandwidth() if jax.default_backend() != "cpu" else float("nan")
   log(f"read bandwidth {bw / 1e9:.0f} GB/s on {jax.devices()[0].device_kind}")
   frames = []
@@ -103,10 +119,17 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
       del model  # the stacked copy (unrolled layers are their own arrays)
       if mesh is not None:
         split = sharding.shard_model(split, mesh)
+      draft_split = None
+      if drafter == "draft_model":
+        _, draft_model = _target(draft, dtype, None, mesh)
+        draft_split = split_model(draft_model, unroll_layers=layer_execution == "unrolled")
+        del draft_model
       df = _grid(cfg, split, mesh, bw, target=target, dtype=dtype, batch_sizes=batch_sizes,
                  contexts=contexts, lengths=lengths, new_tokens=new_tokens,
                  attention_implementation=attention_implementation, profile=profile,
-                 layer_execution=layer_execution, log=log)
+                 layer_execution=layer_execution, drafter=drafter, draft_split=draft_split,
+                 steps_per_dispatch=steps_per_dispatch, log=log)
+      df.insert(3, "drafter", drafter if draft_split is None else f"draft_model:{draft}")
       df.insert(2, "num_layers", cfg.num_layers)
       frames.append(df)
       del split
@@ -142,8 +165,21 @@ def _scale_layers(df: pd.DataFrame, full: int) -> pd.DataFrame:
   return df
 
 
+def _method(drafter: str, length: int):
+  if not length:
+    from methods.ar import AutoRegressive  # noqa: PLC0415
+
+    return AutoRegressive()
+  if drafter == "draft_model":
+    from methods.draft_model import DraftModel  # noqa: PLC0415
+
+    return DraftModel(k=length)
+  return ConstantDrafter(k=length, device=drafter == "constant")
+
+
 def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths, new_tokens,
-          attention_implementation, profile, layer_execution, log) -> pd.DataFrame:
+          attention_implementation, profile, layer_execution, drafter, draft_split,
+          steps_per_dispatch, log) -> pd.DataFrame:
   """The (batch, context, L) rows of one placed model."""
   placement = sharding.describe(mesh, cfg=cfg)
   rng = np.random.default_rng(0)
@@ -158,9 +194,10 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
             max_num_seqs=batch, max_model_len=context + new_tokens + max(lengths) + 16,
             attention_implementation=attention_implementation,
             max_num_batched_tokens=max(512, min(8192, batch * context)),
-            synthetic_acceptance=(1.0,) if length else None, mesh=mesh)
-        method = ConstantDrafter(k=length) if length else _ar()
-        engine = Engine(split, method, ecfg)
+            synthetic_acceptance=(1.0,) if length else None, mesh=mesh,
+            steps_per_dispatch=steps_per_dispatch)
+        method = _method(drafter, length)
+        engine = Engine(split, method, ecfg, draft=draft_split if length else None)
         sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
         reqs = [Request(i, p, sp) for i, p in enumerate(prompts)]
         engine.generate(reqs)  # warm-up: compiles
@@ -188,7 +225,8 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
             prefill_s=met.prefill_s, num_compiles=met.num_compiles,
             device=jax.devices()[0].device_kind, backend=jax.default_backend(),
             attention_implementation=str(attention_implementation),
-            layer_execution=layer_execution, jax_version=jax.__version__, **placement))
+            layer_execution=layer_execution, steps_per_dispatch=steps_per_dispatch,
+            runs_on=method.capabilities().runs_on, jax_version=jax.__version__, **placement))
         log(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                      for k, v in rows[-1].items() if k in (
                          "mesh", "batch", "context", "L", "step_ms", "device_ms",
@@ -197,12 +235,7 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
   return pd.DataFrame(rows)
 
 
-def _ar():
-  from methods.ar import AutoRegressive
-
-  return AutoRegressive()
-
-
+DRAFTERS = ("constant", "constant_host", "draft_model")
 _TARGET = flags.DEFINE_string("target", "llama3-8b", f"{list(SHAPES)} or a models.zoo name.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Model dtype.")
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "16", "64"], "Batch sizes.")
@@ -216,6 +249,12 @@ _OUT = flags.DEFINE_string("output_dir", "results/engine_loop", "Where CSV and p
 _MESHES = flags.DEFINE_multi_string(
     "mesh", ["none"], "Repeatable: 'none' (unsharded) or a mesh such as 'data:1,model:2' "
     "(specjax.sharding.parse_mesh); each is timed.")
+_DRAFTER = flags.DEFINE_enum("drafter", "constant", list(DRAFTERS),
+                              "constant: L copies of the pending token drafted in the fused "
+                              "device step; constant_host: on the host; draft_model: a "
+                              "random-weight --draft model.")
+_DRAFT = flags.DEFINE_string("draft", "llama3.2-1b", "models.shapes draft of --drafter=draft_model.")
+_STEPS = flags.DEFINE_integer("steps_per_dispatch", 1, "Engine iterations per device call.")
 _NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the target with "
                                 "(adds columns scaled to the shape's full layer count).")
 
@@ -228,7 +267,8 @@ def main(argv):
       contexts=[int(c) for c in _CTX.value], lengths=[int(v) for v in _L.value],
       new_tokens=_NEW.value, attention_implementation=impl[0] if len(impl) == 1 else impl,
       profile=_PROFILE.value, layer_execution=_LAYERS.value, meshes=_MESHES.value,
-      num_layers=[int(n) for n in _NUM_LAYERS.value] if _NUM_LAYERS.value else None)
+      num_layers=[int(n) for n in _NUM_LAYERS.value] if _NUM_LAYERS.value else None,
+      drafter=_DRAFTER.value, draft=_DRAFT.value, steps_per_dispatch=_STEPS.value)
   os.makedirs(_OUT.value, exist_ok=True)
   df.to_csv(os.path.join(_OUT.value, "engine_loop.csv"), index=False)
   plots.engine_loop_figure(df, os.path.join(_OUT.value, "engine_loop.png"))

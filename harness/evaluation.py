@@ -162,6 +162,8 @@ class EvalConfig:
       (T = k + 1) and AR steps (T = 1) can round differently and flip near-tied greedy
       tokens); CPUs compute f32 in f32 either way.
     max_num_batched_tokens: ``EngineConfig.max_num_batched_tokens`` (prefill chunk budget).
+    steps_per_dispatch: ``EngineConfig.steps_per_dispatch`` (iterations per device call
+      of plain decoding and fused proposers).
     mesh: "none", or a one-replica mesh such as "data:1,model:2" (``specjax.sharding``);
       ``draft_sharding``: ``EngineConfig.draft_sharding``. Rows get ``mesh``,
       ``mesh_devices`` and ``replicated``.
@@ -202,6 +204,7 @@ class EvalConfig:
   ignore_eos: bool | None = None
   matmul_precision: str | None = "highest"
   max_num_batched_tokens: int = 512
+  steps_per_dispatch: int = 1
   mesh: str = "none"
   draft_sharding: str = "replicated"
   compilation_cache: bool = True
@@ -512,7 +515,7 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
             attention_implementation=cfg.attention_implementation,
             verify_implementation=cfg.verify_implementation, seed=cfg.seed + rep,
             max_num_batched_tokens=cfg.max_num_batched_tokens, mesh=mesh,
-            draft_sharding=cfg.draft_sharding,
+            draft_sharding=cfg.draft_sharding, steps_per_dispatch=cfg.steps_per_dispatch,
         )
         engines = {
             name: Engine(target_split, method, engine_cfg,
