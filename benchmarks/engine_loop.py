@@ -50,6 +50,7 @@ from harness import plots
 from harness.synthetic import ConstantDrafter
 from models.shapes import SHAPES
 from specjax import sharding
+from specjax.compile_cache import enable_compilation_cache
 from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine
 from specjax.request import Request
@@ -261,6 +262,7 @@ _NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the t
 
 def main(argv):
   del argv
+  enable_compilation_cache()
   impl = tuple(_IMPL.value)
   df = run_engine_loop(
       target=_TARGET.value, dtype=_DTYPE.value, batch_sizes=[int(b) for b in _BATCH.value],
