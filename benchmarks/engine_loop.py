@@ -11,7 +11,10 @@ and c(L) = (SD step time) / (AR step time) at the same batch and context is the 
 verification cost alone. ``--drafter=draft_model`` drafts with a random-weight draft
 model of the ``--draft`` shape (a real device drafter: its forwards are in the step and
 in ``device_ms``). ``--steps_per_dispatch=N`` runs N iterations per device call. Prompts
-are ``context`` random token ids; every request generates ``new_tokens`` tokens.
+are ``context`` random token ids; every request generates ``new_tokens * (L + 1)``
+tokens, so every L runs the same number of engine steps (``new_tokens``; with few
+steps the first one after the prefill, which no earlier step overlaps, would weigh
+more at larger L).
 
 Per (batch, context, L): ``step_ms`` = mean wall time of the steady (non-compiling)
 engine steps of a measured run after a warm-up run; ``roofline_ms`` = (weight bytes +
@@ -192,14 +195,15 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
       ar_ms = None
       for length in lengths:
         ecfg = EngineConfig(
-            max_num_seqs=batch, max_model_len=context + new_tokens + max(lengths) + 16,
+            max_num_seqs=batch,
+            max_model_len=context + new_tokens * (max(lengths) + 1) + max(lengths) + 16,
             attention_implementation=attention_implementation,
             max_num_batched_tokens=max(512, min(8192, batch * context)),
             synthetic_acceptance=(1.0,) if length else None, mesh=mesh,
             steps_per_dispatch=steps_per_dispatch)
         method = _method(drafter, length)
         engine = Engine(split, method, ecfg, draft=draft_split if length else None)
-        sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        sp = SamplingParams(max_tokens=new_tokens * (length + 1), ignore_eos=True)
         reqs = [Request(i, p, sp) for i, p in enumerate(prompts)]
         engine.generate(reqs)  # warm-up: compiles
         _, met = engine.generate(reqs)
@@ -212,7 +216,7 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
               _, pmet = engine.generate(reqs)
             busy = device_busy_seconds(d)
           device_ms = 1e3 * (busy - pmet.prefill_s) / max(1, len(pmet.steps))
-        mean_ctx = context + new_tokens / 2
+        mean_ctx = context + new_tokens * (length + 1) / 2
         roof_ms = 1e3 * (_param_bytes(cfg, batch) + _kv_bytes(cfg, batch, int(mean_ctx))) / bw
         if length == 0:
           ar_ms = step_ms
@@ -242,7 +246,8 @@ _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Model 
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "16", "64"], "Batch sizes.")
 _CTX = flags.DEFINE_list("contexts", ["512", "4096"], "Prompt lengths (tokens).")
 _L = flags.DEFINE_list("lengths", ["0", "1", "2", "4", "8"], "Draft lengths (0 = AR).")
-_NEW = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per request.")
+_NEW = flags.DEFINE_integer("new_tokens", 64, "Engine steps per request (a request drafting "
+                            "L tokens generates new_tokens * (L + 1) tokens).")
 _IMPL = flags.DEFINE_list("attention_implementation", ["reference"], "Paged attention impl(s).")
 _LAYERS = flags.DEFINE_enum("layer_execution", "unrolled", ["unrolled", "scan"], "Layers.")
 _PROFILE = flags.DEFINE_boolean("profile", True, "Also measure device busy time per step.")

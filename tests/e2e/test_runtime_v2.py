@@ -103,19 +103,15 @@ def test_chunked_prefill_interleaves_with_decode(target, monkeypatch):
 
 
 def test_build_batch_roundtrip():
-  sb = build_batch(batch=2, width=4, length=2, page_tables=[[7, 2]], kv_lens=[20], q_lens=[2],
-                   positions=[18], pending=[11], prev_row=[-1], top_k=[5],
-                   keys=[np.array([1, 2**32 - 1], np.uint32)], num_draft=[1],
-                   temperature=[0.5], top_p=[0.9], drafts=np.array([[42, -1]], np.int32))
-  assert sb.ints[0].tolist() == [7, 2, -1, -1, 20, 2, 18, 11, -1, 5, 1, -1, 1, 0, 42, -1]
-  b = jax.jit(unpack_batch, static_argnums=2)(sb.ints, sb.floats, 2)
-  assert np.asarray(b.keys)[0].tolist() == [1, 2**32 - 1]
-  assert np.asarray(b.page_indices)[1].tolist() == [-1] * 4 and int(b.q_lens[1]) == 0
-  assert float(b.temperature[0]) == 0.5 and float(b.top_p[1]) == 1.0
+  sb = build_batch(batch=2, width=4, length=2, page_tables=[[7, 2]], slots=[3], num_draft=[1],
+                   drafts=np.array([[42, -1]], np.int32))
+  assert sb.ints[0].tolist() == [7, 2, -1, -1, 3, 1, 42, -1]
+  assert sb.ints[1].tolist() == [-1, -1, -1, -1, -1, 0, -1, -1]
+  b = jax.jit(unpack_batch, static_argnums=1)(sb.ints, 2)
+  assert np.asarray(b.page_indices)[1].tolist() == [-1] * 4 and int(b.slots[1]) == -1
+  assert int(b.slots[0]) == 3 and np.asarray(b.drafts)[0].tolist() == [42, -1]
   with pytest.raises(ValueError, match="num_draft"):
-    build_batch(batch=1, width=4, length=1, page_tables=[[1]], kv_lens=[1], q_lens=[1],
-                positions=[1], pending=[0], prev_row=[-1], top_k=[0], keys=[np.zeros(2)],
-                num_draft=[2], temperature=[0.0], top_p=[1.0])
+    build_batch(batch=1, width=4, length=1, page_tables=[[1]], slots=[0], num_draft=[2])
 
 
 def test_commit_rows_eos_inside_accepted_run():
