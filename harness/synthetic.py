@@ -34,7 +34,7 @@ class ConstantDrafter(Method):
   def capabilities(self) -> Capabilities:
     return Capabilities(runs_on="fused" if self.device else "host")
 
-  def propose_device(self, params, state, rows):
+  def propose_device(self, params, state, rows, *, all_greedy):
     pending = jnp.take_along_axis(rows.tokens, jnp.maximum(rows.num_tokens - 1, 0)[:, None], 1)
     tokens = jnp.broadcast_to(pending, (pending.shape[0], self.k))
     return state, DeviceDraft(tokens, jnp.minimum(rows.budgets, self.k))

@@ -13,6 +13,14 @@ only in the first ``budget`` of them, so no position past the budget (e.g. at or
 With ``stop_entropy`` set (SVIP, ``methods.svip``) a row also stops after the first
 draft whose draft distribution has entropy above it; the loop then ends as soon as
 every row has stopped, so the step may run fewer than ``max(budgets)`` forwards.
+
+By default (``fused=True``, no ``stop_entropy``) the drafting runs inside the engine's
+one device call per iteration (``propose_device``): the draft KV pool and each slot's
+written length live on the device, every step runs k draft forwards (rows past their
+budget are masked out), the draft KV of a prompt is filled in the target's prefill call
+(``prefill_device``), and iterations run asynchronously. ``fused=False`` (and SVIP,
+whose ``lax.while_loop`` would make the host wait for the device) is the host-called
+path above, one synchronous step each.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from flax import nnx
 
 from models.llama import init_kv_caches
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
-from specjax.method import Capabilities, Draft, Method
+from specjax.method import Capabilities, DeviceDraft, Draft, Method
 from specjax.sampling import (
     STREAM_DRAFT,
     is_greedy,
@@ -37,8 +45,8 @@ from specjax.sampling import (
 )
 from specjax.steps import forward_step
 
-__all__ = ["DraftKV", "DraftModel", "draft_tokens_step", "draft_until_uncertain_step",
-           "entropy_nats"]
+__all__ = ["DraftDeviceState", "DraftKV", "DraftModel", "DraftParams", "draft_tokens_step",
+           "draft_until_uncertain_step", "entropy_nats"]
 
 
 @functools.partial(
@@ -243,6 +251,35 @@ class DraftKV:
       self.written.pop(rid, None)
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftParams:
+  """The draft model as a fused proposer's params: ``params`` (arrays) plus the static
+  ``graphdef`` and attention ``implementation`` (pytree metadata)."""
+
+  params: object
+  graphdef: object
+  implementation: object
+
+
+jax.tree_util.register_dataclass(DraftParams, data_fields=["params"],
+                                 meta_fields=["graphdef", "implementation"])
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftDeviceState:
+  """A fused draft model's device state: its paged KV (``[num_layers * num_pages,
+  page_size, 2K, H]``, the target's page ids) and ``written i32[S]``, per decode slot the
+  draft KV positions written (a valid prefix of tokens + drafts; positions at or past
+  the committed length minus one are rechecked against the commit)."""
+
+  kv_caches: jax.Array
+  written: jax.Array
+
+
+jax.tree_util.register_dataclass(DraftDeviceState, data_fields=["kv_caches", "written"],
+                                 meta_fields=[])
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftModel(Method):
   """k-token autoregressive drafting with a second model (``--draft``).
@@ -252,11 +289,14 @@ class DraftModel(Method):
     stop_entropy: None, or a row stops after the first draft whose untempered draft
       distribution has entropy above this many nats (``draft_until_uncertain_step``;
       SVIP).
+    fused: draft inside the engine's device step (module docstring); False: the
+      host-called path (ignored with ``stop_entropy``, which always uses it).
   """
 
   name = "draft_model"
   k: int = 4
   stop_entropy: float | None = None
+  fused: bool = True
 
   def __post_init__(self):
     if self.k < 1:
@@ -269,10 +309,66 @@ class DraftModel(Method):
     return self.k
 
   def capabilities(self) -> Capabilities:
-    return Capabilities(runs_on="device", emits_draft_probs=True, needs_draft_model=True)
+    fused = self.fused and self.stop_entropy is None
+    return Capabilities(runs_on="fused" if fused else "device", emits_draft_probs=True,
+                        needs_draft_model=True)
+
+  def host_capabilities(self) -> Capabilities:
+    """Its ``propose`` (called by a composite method) is the host-called device path."""
+    return dataclasses.replace(self.capabilities(), runs_on="device")
 
   def init_state(self, runtime):
     return DraftKV.create(runtime)
+
+  # ------------------------------------------------------------------ fused path
+  def init_device(self, runtime):
+    draft = runtime.draft
+    params = DraftParams(draft.params, draft.graphdef, runtime.attention_implementation)
+    state = DraftDeviceState(
+        init_kv_caches(draft.config, runtime.num_pages, runtime.page_size),
+        jnp.zeros(runtime.max_num_seqs, jnp.int32))
+    return params, state
+
+  def prefill_device(self, params: DraftParams, state: DraftDeviceState, tokens, meta):
+    """Writes the draft KV of the target's prefill chunk (same pages and positions)."""
+    kv, _, _ = forward_step(params.graphdef, params.params, state.kv_caches, tokens, meta,
+                            np.zeros((tokens.shape[0], 1), np.int32),
+                            implementation=params.implementation)
+    return dataclasses.replace(state, kv_caches=kv)
+
+  def reset_device(self, params, state: DraftDeviceState, slots, num_tokens):
+    """A new request's draft KV holds its prompt but the pending token (its prefill)."""
+    written = state.written.at[jnp.where(slots >= 0, slots, state.written.shape[0])].set(
+        jnp.asarray(num_tokens) - 1, mode="drop")
+    return dataclasses.replace(state, written=written)
+
+  def propose_device(self, params: DraftParams, state: DraftDeviceState, rows, *, all_greedy):
+    """k draft forwards for every drafting row (``draft_tokens_step``), after feeding the
+    one or two committed tokens its draft KV lacks. Example: committed length 20, a
+    previous step wrote the draft KV through position 19 (``written`` 20): valid prefix
+    min(20, 19) = 19 positions, so token 19 (the pending one) is fed alone; after a step
+    in which every draft was accepted, the last draft and the bonus token are fed."""
+    n_tok = rows.num_tokens
+    num_slots = state.written.shape[0]
+    valid = jnp.minimum(state.written[jnp.maximum(rows.slots, 0)], n_tok - 1)
+    # lag <= 2 while a row drafts: each step feeds all but its last draft, and a commit
+    # adds at most that draft and the bonus token beyond them (a budget-0 row ends).
+    lag = jnp.clip(n_tok - valid, 1, 2)
+    drafting = rows.budgets > 0
+    col = jnp.arange(2)[None]
+    idx = jnp.clip((n_tok - lag)[:, None] + col, 0, rows.tokens.shape[1] - 1)
+    pending = jnp.where(col < lag[:, None], jnp.take_along_axis(rows.tokens, idx, axis=1), 0)
+    meta = AttentionMetadata(rows.page_indices, jnp.where(drafting, n_tok, 0),
+                             jnp.where(drafting, lag, 0))
+    kv, tokens, probs = draft_tokens_step(
+        params.graphdef, params.params, state.kv_caches, pending, meta, rows.budgets,
+        rows.temperature, rows.top_k, rows.top_p, rows.keys, n_tok, k=self.k,
+        num_steps=self.k, all_greedy=all_greedy, implementation=params.implementation)
+    written = jnp.where(drafting, n_tok + rows.budgets - 1, valid)
+    target = jnp.where(rows.active, rows.slots, num_slots)
+    state = DraftDeviceState(kv, state.written.at[target].set(written, mode="drop"))
+    return state, DeviceDraft(jnp.where(jnp.arange(self.k)[None] < rows.budgets[:, None],
+                                        tokens, -1), rows.budgets, probs)
 
   def propose(self, state: DraftKV, ctx):
     rt = state.runtime

@@ -62,7 +62,7 @@ class NGram(Method):
   def capabilities(self) -> Capabilities:
     return Capabilities(runs_on="fused" if self.device else "host")
 
-  def propose_device(self, params, state, rows):
+  def propose_device(self, params, state, rows, *, all_greedy):
     tokens, num = ngram_lookup_device(rows.tokens, rows.num_tokens, rows.budgets, k=self.k,
                                       n_min=self.n_min, n_max=self.n_max)
     return state, DeviceDraft(tokens, num)

@@ -129,6 +129,7 @@ class Engine:
         target=self.target, draft=self.draft, num_pages=config.total_pages,
         page_size=config.page_size, max_model_len=config.max_model_len,
         attention_implementation=config.attention_implementation,
+        max_num_seqs=config.max_num_seqs,
     )
 
   # ------------------------------------------------------------------ helpers
@@ -242,6 +243,8 @@ class Engine:
         np.maximum(q_lens - 1, 0)[:, None], hidden_layers=self.caps.target_hidden_layers,
         implementation=cfg.attention_implementation,
     )
+    if self.fused:  # e.g. a draft model fills its own KV with the same chunk
+      self._pstate = self.method.prefill_device(self._pparams, self._pstate, tokens, meta)
     jax.block_until_ready(logits)
     t1 = time.perf_counter()
     metrics.prefill_s += t1 - t0
@@ -316,6 +319,10 @@ class Engine:
                                           sharded=cfg.draft_sharding == "sharded")
     if self.fused:
       self._pparams, self._pstate = self.method.init_device(self.runtime)
+      if self.mesh is not None:
+        self._pparams, self._pstate = sharding.place_state(
+            (self._pparams, self._pstate), self.mesh, self.target.config,
+            sharded=cfg.draft_sharding == "sharded")
     metrics = RunMetrics(kv_bytes_per_token=self.kv_bytes_per_token)
     c0, s0 = CompileMonitor.snapshot()
     start = self._run_start = time.perf_counter()
@@ -374,6 +381,10 @@ class Engine:
       for st in fresh:
         st.slot = self._slot_free.allocate()
       self.slots = write_slots(self.slots, [st.slot for st in fresh], fresh, self.eos_ids)
+      if self.fused:
+        self._pstate = self.method.reset_device(
+            self._pparams, self._pstate, np.asarray([st.slot for st in fresh], np.int32),
+            np.asarray([len(st.tokens) for st in fresh], np.int32))
 
   def _release(self, sched: Scheduler, st: RequestState, *, preempted: bool = False) -> None:
     if st.slot is not None:

@@ -88,6 +88,7 @@ class RuntimeInfo:
   max_model_len: int
   attention_implementation: Any
   method_cache: dict = dataclasses.field(default_factory=dict)
+  max_num_seqs: int = 1  # decode slots of the device state (``specjax.slots``)
 
 
 @dataclasses.dataclass
@@ -247,13 +248,28 @@ class Method(abc.ABC):
     ``params`` are read-only; ``state`` is threaded through (and donated to) every step."""
     return (), ()
 
-  def propose_device(self, params: Any, state: Any, rows: DeviceRows) -> tuple[Any, DeviceDraft]:
+  def propose_device(self, params: Any, state: Any, rows: DeviceRows, *,
+                     all_greedy: bool) -> tuple[Any, DeviceDraft]:
     """The fused proposer (traced inside the engine step; pure jnp, no host syncs).
+    ``all_greedy`` (static): every row of the step is greedy, so no draft
+    probabilities are needed.
 
     Raises:
       NotImplementedError: the method is not "fused".
     """
     raise NotImplementedError(f"method {self.name!r} has no fused device proposer")
+
+  def prefill_device(self, params: Any, state: Any, tokens, meta) -> Any:
+    """Sees each prefill call of the target (host-called, synchronous), e.g. to fill a
+    draft model's own KV with the same chunk: ``tokens i32[B, T]``, ``meta`` the
+    chunk's ``AttentionMetadata``. Returns the new state; default: unchanged."""
+    return state
+
+  def reset_device(self, params: Any, state: Any, slots, num_tokens) -> Any:
+    """Called when decode slots get new requests (``slots i32[n]``, their committed
+    ``num_tokens i32[n]``; -1 slots are padding). Returns the new state; default:
+    unchanged."""
+    return state
 
   def describe(self) -> dict:
     """Flat dict of the config, recorded in result rows."""

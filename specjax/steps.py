@@ -324,7 +324,8 @@ def _iteration(plan: StepPlan, proposer, graphdef, params, proposer_params, batc
                       budgets=budgets, page_indices=batch.page_indices,
                       temperature=rows["temperature"], top_k=rows["top_k"], top_p=rows["top_p"],
                       keys=rows["keys"])
-    pstate, draft = proposer.propose_device(proposer_params, pstate, view)
+    pstate, draft = proposer.propose_device(proposer_params, pstate, view,
+                                            all_greedy=plan.sampler == "greedy")
     source, num_draft = draft.tokens[:, :length], draft.num_tokens
     if draft.probs is not None:
       probs = draft.probs[:, :length]
