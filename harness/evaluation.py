@@ -528,6 +528,9 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
           for name, engine in engines.items():
             bar.start(f"warm-up {name} b={batch}", warm_budget)
             engine.generate(warm_requests, progress=bar)
+            # Every decode-step shape the measured passes can meet (batch and page-table
+            # buckets the warm-up's short outputs did not reach).
+            engine.precompile(requests)
             bar.finish()
             # Cross-request caches (suffix decoding's global tree, adaptive's estimates)
             # must not carry the warm-up's responses into the measured pass.

@@ -44,11 +44,14 @@ from specjax.request import (
 )
 from specjax.sampling import request_key
 from specjax.scheduler import Scheduler
-from specjax.slots import SlotAllocator, init_slots, write_slots
+from specjax.slots import SlotAllocator, init_slots, padded_rows, write_slots
 from specjax.steps import SplitModel, StepPlan, engine_step, forward_step, split_model
 from specjax.tree import node_depths, tree_mask, tree_positions, validate_tree
 
 __all__ = ["Engine", "bucket"]
+
+# A row that write_slots drops (slot -1): precompiles its admission shapes.
+_PADDING_ROW = RequestState(Request("padding", (0,)), np.zeros(2, np.uint32), [0])
 
 
 def bucket(n: int, cap: int, minimum: int = 1, growth: int = 2) -> int:
@@ -365,6 +368,57 @@ class Engine:
   _progress = None
   _run_start = 0.0
 
+  # ------------------------------------------------------------------ compiles
+  def precompile(self, requests: Sequence[Request]) -> int:
+    """Compiles every decode-step shape ``requests`` can meet, by running steps whose
+    rows are all padding (no KV, slot or draft state changes): each batch bucket up to
+    ``max_num_seqs`` x each page-table bucket up to the longest request's prompt +
+    ``max_tokens`` x the step lengths the method uses (fused methods and plain
+    decoding: one; host drafters: 0 and every bucket up to k) x the sampler of the
+    requests taken together (a step of a subset of mixed greedy / sampled requests can
+    need another). Afterwards a run of these requests compiles no decode step; prefill
+    shapes are not covered (a warm-up pass over one prompt per prefill bucket is).
+    Methods whose steps take device drafts or draft probabilities from a host-called
+    proposer (learned heads, the host-called draft model, trees) are skipped: their
+    shapes depend on the drafts. Returns the number of step shapes run.
+    """
+    self._validate(requests)
+    cfg = self.config
+    if self.k and not self.fused and (self.caps.runs_on != "host" or self.caps.tree):
+      return 0
+    most = max(min(len(r.prompt_token_ids) + r.sampling.max_tokens + self.k + 1,
+                   cfg.max_model_len) for r in requests)
+    batches = sorted({bucket(n, cfg.max_num_seqs) for n in range(1, cfg.max_num_seqs + 1)})
+    widths = sorted({self._pages_bucket([n]) for n in range(1, most + cfg.page_size,
+                                                          cfg.page_size)})
+    if self.k == 0 or self.fused:
+      plans = [(self.k, False)]
+    else:
+      plans = [(0, True)] + [(n, True) for n in sorted({bucket(i, self.k)
+                                                         for i in range(1, self.k + 1)})]
+    rows = [RequestState(r, np.zeros(2, np.uint32), list(r.prompt_token_ids)) for r in requests]
+    sampler, fused, _ = self._sampler_plan(rows, False)
+    self.slots = init_slots(cfg.max_num_seqs, cfg.max_model_len, self._num_stop_ids(requests))
+    if self.fused:
+      self._pparams, self._pstate = self.method.init_device(self.runtime)
+    count = 0
+    for n in sorted({padded_rows(i) for i in range(1, cfg.max_num_seqs + 1)}):
+      self.slots = write_slots(self.slots, [-1] * n, [_PADDING_ROW] * n, self.eos_ids)
+      if self.fused:
+        self._pstate = self.method.reset_device(self._pparams, self._pstate,
+                                                np.full(n, -1, np.int32), np.zeros(n, np.int32))
+    for batch in batches:
+      for width in widths:
+        for length, host in plans:
+          sb = build_batch(batch=batch, width=width, length=length if host else 0,
+                           page_tables=[], slots=[])
+          plan = self._plan(sampler, fused, length, host=host,
+                            iterations=1 if host else cfg.steps_per_dispatch)
+          results, _ = self._dispatch(plan, sb)
+          count += 1
+    jax.block_until_ready(results)
+    return count
+
   # ------------------------------------------------------------------ slots
   def _num_stop_ids(self, requests) -> int:
     """E, the slot state's stop-id width: a power of two >= 8 holding every request's
@@ -382,9 +436,11 @@ class Engine:
         st.slot = self._slot_free.allocate()
       self.slots = write_slots(self.slots, [st.slot for st in fresh], fresh, self.eos_ids)
       if self.fused:
-        self._pstate = self.method.reset_device(
-            self._pparams, self._pstate, np.asarray([st.slot for st in fresh], np.int32),
-            np.asarray([len(st.tokens) for st in fresh], np.int32))
+        n = padded_rows(len(fresh))
+        slots, lens = np.full(n, -1, np.int32), np.zeros(n, np.int32)
+        slots[: len(fresh)] = [st.slot for st in fresh]
+        lens[: len(fresh)] = [len(st.tokens) for st in fresh]
+        self._pstate = self.method.reset_device(self._pparams, self._pstate, slots, lens)
 
   def _release(self, sched: Scheduler, st: RequestState, *, preempted: bool = False) -> None:
     if st.slot is not None:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SlotAllocator", "SlotState", "init_slots", "slot_rows", "write_slots"]
+__all__ = ["SlotAllocator", "SlotState", "init_slots", "padded_rows", "slot_rows", "write_slots"]
 
 
 @jax.tree_util.register_dataclass
@@ -90,6 +90,14 @@ def _write(state: SlotState, slots, tokens, ints, floats, stop_ids, keys) -> Slo
       finished=put(state.finished, jnp.zeros(slots.shape, bool)))
 
 
+def padded_rows(n: int) -> int:
+  """The row count ``write_slots`` pads ``n`` rows to: the next power of two (3 -> 4)."""
+  size = 1
+  while size < n:
+    size *= 2
+  return size
+
+
 def write_slots(state: SlotState, slots: list[int], rows: list, eos_ids: frozenset) -> SlotState:
   """Writes the decode state of host requests into their slots (one device call).
 
@@ -106,9 +114,7 @@ def write_slots(state: SlotState, slots: list[int], rows: list, eos_ids: frozens
   Raises:
     ValueError: a request has more stop ids than the state's E, or more tokens than M.
   """
-  n = 1
-  while n < len(rows):
-    n *= 2
+  n = padded_rows(len(rows))
   m, e = state.max_model_len, state.stop_ids.shape[1]
   idx = np.full(n, -1, np.int32)
   tokens = np.zeros((n, m), np.int32)
