@@ -32,6 +32,10 @@ Which member drafted each row is counted per ``generate`` call in
 ``AdaptiveStats.chosen`` (member name or "none" -> rows); the engine's
 ``runtime.method_cache[method]`` holds the ``AdaptiveStats`` of its latest call
 (``Adaptive.stats(engine.runtime)`` returns it).
+
+Runs on the synchronous host path: the choice among members is made on the host from
+their host drafts and online estimates. Cost: one synchronous step each; fused members
+(n-gram) run their host ``propose`` here.
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ Counters (``HSDDWState.counters``): ``m1_proposed`` (M1 tokens screened),
 ``m1_accepted`` (M1 tokens kept in blocks), ``m2_tokens`` (block tokens M2 drafted
 itself: corrections and AR tokens), ``m2_forwards`` (M2 forwards, screen included), and
 ``rejected`` (threshold updates).
+
+Runs on the synchronous host path: M1 is a host drafter whose block M2 then screens, so
+each step needs the previous step's committed tokens on the host. Cost: one synchronous
+step each (M1's own host time plus the read and commit).
 """
 
 from __future__ import annotations

@@ -41,6 +41,9 @@ draft as companion gives S = A = 1 (no information). E.g. Qwen2.5-0.5B-Instruct 
 tokenizer, different training data) as companion; or, with a larger target such as
 Qwen2.5-Coder-7B (vocab rows 152064: the engine's equal-vocab check would need the
 padded rows handled), the 1.5B as companion for the 0.5B draft.
+
+Runs on the synchronous host path: the companion's calibration tables and the per-row
+gamma search run on the host between steps. Cost: one synchronous step each.
 """
 
 from __future__ import annotations

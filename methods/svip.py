@@ -22,6 +22,12 @@ Lossless: whether ``x_{t+1}`` is drafted depends on ``H_1 .. H_t``, computed bef
 ``x_t`` is drawn (pre-token), so admission never depends on a token's own value; the
 verification is the shared rejection sampler. Unlike the code we do not stop at a
 drafted EOS (the engine's stop rules cut at EOS anyway).
+
+Runs on the host-called path (``Capabilities.runs_on`` "device"), one synchronous engine
+step each: the entropy stop is a ``lax.while_loop`` over draft forwards, and on the H200
+any device-side loop condition makes the dispatch wait for the device
+(``benchmarks/dispatch_probe.py``), so fusing it would not overlap anyway; the cost is
+the synchronous step's host time (propose call, read, commit) on top of the device time.
 """
 
 from __future__ import annotations

@@ -21,6 +21,11 @@ Cost model: injected (``cost_model``), or profiled at ``init_state`` on this har
 Lossless: lengths depend on history and load only, never on the step's drafts. Note:
 they do depend on the batch (load), so a seeded SAMPLED request's exact tokens can
 change with its partners (its distribution does not); greedy rows are unaffected.
+
+Runs on the synchronous host path: per-row draft lengths come from host EMAs and a step-
+cost model before each step, and the EMAs need each step's acceptance, so step n+1
+cannot be planned before step n is read. Cost: one synchronous step (the device idles
+during the host's planning, propose and commit).
 """
 
 from __future__ import annotations

@@ -44,6 +44,11 @@ Limits: a seeded sampled request's tokens depend on its verified lengths, which 
 on its batch partners and on earlier requests of the run (shared estimates, the batch's
 cost); its distribution does not (as in vLLM). Wrapping ``hsddw`` counts a truncated
 draft as rejected in its threshold. Cost by B rows, not the padded batch bucket.
+
+Runs on the synchronous host path: the truncation is a host decision from learned per-
+position estimates updated after every step. Cost: one synchronous step each (the
+wrapped drafter's host cost plus the read and commit); a fused drafter wrapped here runs
+its host ``propose``.
 """
 
 from __future__ import annotations
