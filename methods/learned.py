@@ -22,6 +22,11 @@ Drafting respects the rows' budgets (``ProposeContext.budgets``): a chain step r
 ``max(budgets)`` head steps, a tree step builds a tree of at most ``max(budgets)`` nodes
 and depth ``min(k, max(budgets))`` (its best nodes, so the same first nodes as the full
 tree), and a step where every budget is 0 runs no head at all.
+
+Runs on the host-called path (``Capabilities.runs_on`` "device"), one synchronous engine
+step each: the feature window is kept on the host, so every step reads the target's
+hidden rows back and sends the window to the head's jitted call. Not yet fused: device
+features per decode slot (``specjax.slots``) would make these heads asynchronous too.
 """
 
 from __future__ import annotations
