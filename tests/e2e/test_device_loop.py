@@ -242,8 +242,8 @@ def _spd_case(make_engine, reference, monkeypatch, method, spd, workload):
 
 
 # Found by simulating greedy n-gram SD on the reference: in each, the stop lands on an
-# accepted draft that is not the step's last token (e.g. STOP_ID: step 2 of "stop_id"
-# accepts drafts [16, 34, 42], so 34 cuts 42 and the bonus token).
+# accepted draft that is not the step's last token (e.g. "stop_id": the step after its
+# 4th output accepts drafts [16, 34, 42], so stop id 34 cuts 42 and the bonus token).
 STOP_EOS = 34
 STOP_REQUESTS = [
     Request("stop_id", (16, 18, 34, 36, 18, 16, 34, 42, 0),
