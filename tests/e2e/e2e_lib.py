@@ -364,7 +364,7 @@ class ChainAsTree(Method):
     return self.inner.num_speculative_tokens
 
   def capabilities(self):
-    return dataclasses.replace(self.inner.capabilities(), tree=True)
+    return dataclasses.replace(self.inner.host_capabilities(), tree=True)
 
   def init_state(self, runtime):
     return self.inner.init_state(runtime)
