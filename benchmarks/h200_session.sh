@@ -137,6 +137,19 @@ for step in "$@"; do
     tests_realmodel)  # with the staged weights in SPECJAX_CACHE (Gemma is not staged)
       XLA_PYTHON_CLIENT_PREALLOCATE=false run pytest_realmodel python3 -m pytest -q \
         -m realmodel -k "not gemma" -p no:cacheprovider tests ;;
+    device_loop_8b)  # the device-resident loop at 8B (docs/gpu/device_resident_loop)
+      for d in constant draft_model; do
+        run "el8b_b1_$d" python3 -m benchmarks.engine_loop --target=llama3-8b --dtype=bfloat16 \
+          --attention_implementation=pallas_gpu,reference --batch_sizes=1 --contexts=512,4096 \
+          --lengths=0,1,4,8 --drafter=$d --output_dir="$OUT/el8b_b1_$d"
+        run "el8b_b16_$d" python3 -m benchmarks.engine_loop --target=llama3-8b --dtype=bfloat16 \
+          --attention_implementation=pallas_gpu,reference --batch_sizes=16,64 --contexts=512 \
+          --lengths=0,1,4 --drafter=$d --output_dir="$OUT/el8b_b16_$d"
+      done ;;
+    device_loop_smollm2)  # the SmolLM2 must-show, from an empty compile cache
+      SPECJAX_COMPILATION_CACHE=${SPECJAX_COMPILATION_CACHE:-$OUT/cc_empty} run eval_device_loop \
+        evaluate --target=smollm2-135m --methods=ar,ngram,suffix --num_prompts=12 \
+        --max_new_tokens=128 --batch_sizes=1,4 --repeats=3 --output_dir="$OUT/eval_device_loop" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -27,6 +27,10 @@ class ConstantDrafter(Method):
   k: int = 1
   device: bool = True
 
+  def __post_init__(self):
+    if self.k < 1 or not isinstance(self.device, bool):
+      raise ValueError(f"k={self.k}, device={self.device!r}: k must be >= 1 and device a bool")
+
   @property
   def num_speculative_tokens(self) -> int:
     return self.k

@@ -303,6 +303,9 @@ class DraftModel(Method):
       raise ValueError(f"num_speculative_tokens k={self.k} must be >= 1")
     if self.stop_entropy is not None and not self.stop_entropy >= 0:
       raise ValueError(f"stop_entropy={self.stop_entropy} must be None or >= 0 (nats)")
+    if not isinstance(self.fused, bool):
+      raise ValueError(f"fused={self.fused!r} must be True (drafts in the engine's device step) "
+                       "or False (host-called)")
 
   @property
   def num_speculative_tokens(self) -> int:

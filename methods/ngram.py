@@ -54,6 +54,9 @@ class NGram(Method):
       raise ValueError(f"num_speculative_tokens k={self.k} must be >= 1")
     if not 1 <= self.n_min <= self.n_max:
       raise ValueError(f"n_min={self.n_min}, n_max={self.n_max} must satisfy 1 <= n_min <= n_max")
+    if not isinstance(self.device, bool):
+      raise ValueError(f"device={self.device!r} must be True (fused, on the device) or False "
+                       "(host)")
 
   @property
   def num_speculative_tokens(self) -> int:
