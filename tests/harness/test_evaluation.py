@@ -148,7 +148,8 @@ def test_bad_values_raise_before_loading(tiny_models):
   if jax.default_backend() != "gpu":
     with pytest.raises(ValueError, match="pallas_triton needs a GPU"):
       EvalConfig(verify_implementation="pallas_triton")
-  with pytest.raises(ValueError, match=r"not all options.*its options: \['n_max', 'n_min'\]"):
+  with pytest.raises(ValueError,
+                     match=r"not all options.*its options: \['device', 'n_max', 'n_min'\]"):
     run_evaluation(EvalConfig(target="tiny-target", method_options={"ngram": {"nope": 1}}),
                    progress=False)
 
