@@ -101,6 +101,9 @@ _DRAFT_SHARDING = flags.DEFINE_enum(
     "Draft model / learned head placement on the mesh.")
 _BATCHED = flags.DEFINE_integer(
     "max_num_batched_tokens", 512, "Prefill token budget per engine iteration (chunked prefill).")
+_PRECOMPILE = flags.DEFINE_boolean(
+    "precompile", True, "In the warm-up, also compile every decode-step shape the measured "
+    "passes can meet (Engine.precompile), so they compile none.")
 _STEPS_PER_DISPATCH = flags.DEFINE_integer(
     "steps_per_dispatch", 1, "Engine iterations per device call (plain decoding and fused "
     "proposers such as ngram; EngineConfig.steps_per_dispatch).")
@@ -178,6 +181,7 @@ def config_from_flags() -> EvalConfig:
       verify_implementation=_verify_implementation(_VERIFY.value),
       matmul_precision=_PRECISION.value,
       max_num_batched_tokens=_BATCHED.value, steps_per_dispatch=_STEPS_PER_DISPATCH.value,
+      precompile=_PRECOMPILE.value,
       compilation_cache=_CACHE.value,
       mesh=_MESH.value, draft_sharding=_DRAFT_SHARDING.value,
       slo_ttft_s=None if _SLO_TTFT.value is None else _SLO_TTFT.value / 1e3,

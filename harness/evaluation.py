@@ -144,6 +144,10 @@ class EvalConfig:
       requests at once, ``max_num_seqs`` of them running at a time).
     dtype: "float32" or "bfloat16" for the models.
     warmup: run a warm-up subset of the workload untimed per engine before measuring.
+    precompile: after the warm-up pass, run all-padding steps of every decode shape the
+      measured passes can meet (``Engine.precompile``), so they compile no decode step;
+      costs the compiles of shapes the workload may not reach (about 11 s each for
+      SmolLM2 on a 2-core CPU, far less from a warm compilation cache).
     warmup_tokens: max new tokens per request in that warm-up pass (None: the full
       ``max_new_tokens``). A short warm-up compiles every prefill bucket and the early
       decode buckets; buckets first reached later compile inside the measured pass,
@@ -199,6 +203,7 @@ class EvalConfig:
   dtype: str = "float32"
   warmup: bool = True
   warmup_tokens: int | None = 16
+  precompile: bool = True
   chat_template: bool = True
   layer_execution: str = "unrolled"
   ignore_eos: bool | None = None
@@ -530,7 +535,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
             engine.generate(warm_requests, progress=bar)
             # Every decode-step shape the measured passes can meet (batch and page-table
             # buckets the warm-up's short outputs did not reach).
-            engine.precompile(requests)
+            if cfg.precompile:
+              engine.precompile(requests)
             bar.finish()
             # Cross-request caches (suffix decoding's global tree, adaptive's estimates)
             # must not carry the warm-up's responses into the measured pass.
