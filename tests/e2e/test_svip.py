@@ -106,13 +106,17 @@ def test_seeded_partner_independence(svip_engine):
     pytest.param(float("inf"), True, marks=pytest.mark.slow)])
 def test_no_stop_is_the_plain_drafter(make_engine, h, sampled):
   """h = inf is the plain draft model's code path; h = 1e6 runs the while-loop path but
-  never stops: both give the plain drafter's drafts, counters and (seeded) samples."""
+  never stops: both give the plain (host-called) drafter's drafts, counters and (seeded)
+  samples, and the fused draft model's outputs (its steps are scheduled asynchronously,
+  so its per-step rows can differ when requests join a step later)."""
   requests = make_requests(3, 8)
   if sampled:
     requests = requests[:4] + make_requests(4, 4, temperature=1.0, seed=5, prefix="s")
-  plain_out, plain_m = make_engine(make_method("draft_model", K)).generate(requests)
+  plain_out, plain_m = make_engine(make_method("draft_model", K, fused=False)).generate(requests)
+  fused_out, _ = make_engine(make_method("draft_model", K)).generate(requests)
   out, m = make_engine(make_method("svip", K, h=h)).generate(requests)
   assert [o.output_token_ids for o in out] == [o.output_token_ids for o in plain_out]
+  assert [o.output_token_ids for o in out] == [o.output_token_ids for o in fused_out]
   assert [(s.num_draft_tokens, s.num_accepted, s.num_emitted) for s in m.steps] == [
       (s.num_draft_tokens, s.num_accepted, s.num_emitted) for s in plain_m.steps]
 
