@@ -4,9 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
-# The default `make run` workload: sized to finish in <= 10 min on an idle 2-core CPU
-# (README, "Quick start"); `make run RUN_ARGS=` runs the binary's own defaults (24 prompts,
-# 128 new tokens; 3 repeats on a GPU).
+# The default `make run` workload (README, "How long it takes", gives its timing on a
+# 2-core CPU); `make run RUN_ARGS=` runs the binary's own defaults (24 prompts, 128 new
+# tokens; 3 repeats on a GPU).
 RUN_ARGS ?= --num_prompts=6 --max_new_tokens=48 --repeats=2
 
 .PHONY: run test clean-venv
