@@ -296,13 +296,17 @@ def _check_verify_implementation(value) -> None:
 
 
 def _make_method(name: str, k: int, options: Mapping[str, Any]):
+  allowed = sorted(p for p in inspect.signature(METHODS[name]).parameters
+                   if p not in ("self", "k")) if name in METHODS else []
+  unknown = sorted(set(options) - set(allowed))
+  if name in METHODS and unknown:  # k comes from num_speculative_tokens
+    raise ValueError(f"method_options for {name!r} ({dict(options)}) are not all options "
+                     f"of that method ({unknown} unknown); its options: {allowed}")
   try:
     return make_method(name, k, **options)
-  except TypeError as e:  # an option the method's config does not have
-    allowed = sorted(p for p in inspect.signature(METHODS[name]).parameters
-                     if p not in ("self", "k"))  # k comes from num_speculative_tokens
-    raise ValueError(f"method_options for {name!r} ({dict(options)}) are not all options "
-                     f"of that method ({e}); its options: {allowed}") from e
+  except TypeError as e:  # e.g. a string where a number is compared
+    raise ValueError(f"method_options for {name!r} ({dict(options)}): a value has the wrong "
+                     f"type ({e})") from e
 
 
 def load_model(name_or_path: str, dtype: str):
