@@ -168,7 +168,9 @@ class Engine:
     """``(sampler, fused implementation, jnp_rows)`` of a step (``StepPlan.sampler``;
     see ``EngineConfig.verify_implementation``). Under "auto" a step that mixes
     temperature-only and top-k/top-p requests runs both samplers and each row takes
-    its own one's result, so a request is sampled the same way whatever its partners.
+    its own one's result (the device picks the rows from their slots' top-k / top-p;
+    ``jnp_rows`` is the host's view of that choice), so a request is sampled the same way
+    whatever its partners.
 
     Raises:
       NotImplementedError: an explicitly named fused implementation and a tree draft.
@@ -351,7 +353,7 @@ class Engine:
           time.sleep(max(0.0, nxt - now) if nxt is not None else 0.0)
           self._window = (time.perf_counter(), CompileMonitor.snapshot())
         continue
-      if self.runs_ahead or self.fused or self.k == 0:
+      if self.fused or self.k == 0:  # runs ahead unless async_scheduling is off
         self._device_step(sched, metrics, start)
       else:
         self._drain(sched, metrics, start)
