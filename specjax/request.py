@@ -88,7 +88,8 @@ class RequestState:
       self._buffered = 0
     if self._buffer is None or self._buffer.shape[0] < n:
       grown = np.empty(max(64, 2 * n), np.int32)
-      grown[: self._buffered] = self._buffer[: self._buffered] if self._buffered else 0
+      if self._buffered:
+        grown[: self._buffered] = self._buffer[: self._buffered]
       self._buffer = grown
     if self._buffered < n:
       self._buffer[self._buffered: n] = self.tokens[self._buffered:]
