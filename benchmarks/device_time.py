@@ -4,22 +4,18 @@ engine's wall time per step in the same run."""
 
 from __future__ import annotations
 
+import collections
 import glob
 import gzip
 import json
 import os
+import re
 
-__all__ = ["device_busy_seconds"]
+__all__ = ["device_busy_seconds", "top_ops"]
 
 
-def device_busy_seconds(trace_dir: str) -> float:
-  """Seconds during which any device track of the newest trace under ``trace_dir`` ran
-  an op (overlapping ops counted once).
-
-  Raises:
-    FileNotFoundError: no ``*.trace.json.gz`` under ``trace_dir``.
-    ValueError: the trace has no device track (e.g. a CPU-only run).
-  """
+def _device_events(trace_dir: str) -> list[dict]:
+  """The complete ("X") events on the device (GPU/TPU) tracks of the newest trace."""
   files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
   if not files:
     raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
@@ -30,8 +26,18 @@ def device_busy_seconds(trace_dir: str) -> float:
   device = {pid for pid, n in names.items() if "/device:" in n and "CPU" not in n.upper()}
   if not device:
     raise ValueError(f"no device track in {files[-1]} (process names: {sorted(names.values())})")
-  spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                 if e.get("ph") == "X" and e.get("pid") in device)
+  return [e for e in events if e.get("ph") == "X" and e.get("pid") in device]
+
+
+def device_busy_seconds(trace_dir: str) -> float:
+  """Seconds during which any device track of the newest trace under ``trace_dir`` ran
+  an op (overlapping ops counted once).
+
+  Raises:
+    FileNotFoundError: no ``*.trace.json.gz`` under ``trace_dir``.
+    ValueError: the trace has no device track (e.g. a CPU-only run).
+  """
+  spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in _device_events(trace_dir))
   busy, end = 0.0, float("-inf")
   for s, t in spans:
     if t <= end:
@@ -39,3 +45,15 @@ def device_busy_seconds(trace_dir: str) -> float:
     busy += t - max(s, end)
     end = t
   return busy * 1e-6
+
+
+def top_ops(trace_dir: str, reps: int) -> list[tuple[str, float, int]]:
+  """``(op name, ms per step, calls per step)`` of the device tracks of the newest trace
+  under ``trace_dir``, most time first; numbered suffixes (``fusion.12``) are folded and
+  the totals divided by ``reps`` steps. Raises as ``device_busy_seconds``."""
+  total, calls = collections.Counter(), collections.Counter()
+  for e in _device_events(trace_dir):
+    name = re.sub(r"\.\d+$", "", str(e.get("name", "")))
+    total[name] += e.get("dur", 0)
+    calls[name] += 1
+  return [(n, us / reps / 1e3, calls[n] // reps) for n, us in total.most_common()]

@@ -47,7 +47,7 @@ import numpy as np
 import pandas as pd
 from absl import app, flags
 
-from benchmarks.device_time import device_busy_seconds
+from benchmarks.device_time import device_busy_seconds, top_ops
 from benchmarks.step_cost import _kv_bytes, _param_bytes
 from harness import plots
 from harness.synthetic import ConstantDrafter
@@ -96,12 +96,13 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                     new_tokens: int, attention_implementation, profile: bool,
                     layer_execution: str = "unrolled", meshes=("none",), num_layers=None,
                     drafter: str = "constant", draft: str | None = None,
-                    steps_per_dispatch: int = 1, log=print) -> pd.DataFrame:
+                    steps_per_dispatch: int = 1, top: int = 0, log=print) -> pd.DataFrame:
   """One row per (num_layers, mesh, batch, context, L); see the module docstring.
   ``target`` is a ``SHAPES`` name (random weights) or a ``models.zoo`` model (real
   weights); ``meshes`` holds "none" and/or ``specjax.sharding.parse_mesh`` strings;
   ``drafter`` is "constant" (fused), "constant_host" or "draft_model" (with the
-  ``draft`` shape, random weights).
+  ``draft`` shape, random weights); ``top`` > 0 logs the profiled run's ``top`` device
+  ops per engine step (``benchmarks.device_time.top_ops``, prefill included).
 
   Raises:
     ValueError: an unknown ``drafter``, or "draft_model" without ``draft``.
@@ -132,7 +133,7 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                  contexts=contexts, lengths=lengths, new_tokens=new_tokens,
                  attention_implementation=attention_implementation, profile=profile,
                  layer_execution=layer_execution, drafter=drafter, draft_split=draft_split,
-                 steps_per_dispatch=steps_per_dispatch, log=log)
+                 steps_per_dispatch=steps_per_dispatch, top=top, log=log)
       df.insert(3, "drafter", drafter if draft_split is None else f"draft_model:{draft}")
       df.insert(2, "num_layers", cfg.num_layers)
       frames.append(df)
@@ -183,7 +184,7 @@ def _method(drafter: str, length: int):
 
 def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths, new_tokens,
           attention_implementation, profile, layer_execution, drafter, draft_split,
-          steps_per_dispatch, log) -> pd.DataFrame:
+          steps_per_dispatch, top, log) -> pd.DataFrame:
   """The (batch, context, L) rows of one placed model."""
   placement = sharding.describe(mesh, cfg=cfg)
   rng = np.random.default_rng(0)
@@ -215,6 +216,9 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
             with jax.profiler.trace(d):
               _, pmet = engine.generate(reqs)
             busy = device_busy_seconds(d)
+            if top:
+              for name, ms, calls in top_ops(d, max(1, len(pmet.steps)))[:top]:
+                log(f"  L={length} op {name}: {ms:.4f} ms/step, {calls} calls/step")
           device_ms = 1e3 * (busy - pmet.prefill_s) / max(1, len(pmet.steps))
         mean_ctx = context + new_tokens * (length + 1) / 2
         roof_ms = 1e3 * (_param_bytes(cfg, batch) + _kv_bytes(cfg, batch, int(mean_ctx))) / bw
@@ -261,6 +265,8 @@ _DRAFTER = flags.DEFINE_enum("drafter", "constant", list(DRAFTERS),
                               "random-weight --draft model.")
 _DRAFT = flags.DEFINE_string("draft", "llama3.2-1b", "models.shapes draft of --drafter=draft_model.")
 _STEPS = flags.DEFINE_integer("steps_per_dispatch", 1, "Engine iterations per device call.")
+_TOP = flags.DEFINE_integer("top_ops", 0, "With --profile: log this many top device ops "
+                            "per engine step of each row's profiled run.")
 _NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the target with "
                                 "(adds columns scaled to the shape's full layer count).")
 
@@ -275,7 +281,8 @@ def main(argv):
       new_tokens=_NEW.value, attention_implementation=impl[0] if len(impl) == 1 else impl,
       profile=_PROFILE.value, layer_execution=_LAYERS.value, meshes=_MESHES.value,
       num_layers=[int(n) for n in _NUM_LAYERS.value] if _NUM_LAYERS.value else None,
-      drafter=_DRAFTER.value, draft=_DRAFT.value, steps_per_dispatch=_STEPS.value)
+      drafter=_DRAFTER.value, draft=_DRAFT.value, steps_per_dispatch=_STEPS.value,
+      top=_TOP.value)
   os.makedirs(_OUT.value, exist_ok=True)
   df.to_csv(os.path.join(_OUT.value, "engine_loop.csv"), index=False)
   plots.engine_loop_figure(df, os.path.join(_OUT.value, "engine_loop.png"))

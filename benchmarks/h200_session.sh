@@ -146,6 +146,17 @@ for step in "$@"; do
           --attention_implementation=pallas_gpu,reference --batch_sizes=16,64 --contexts=512 \
           --lengths=0,1,4 --drafter=$d --output_dir="$OUT/el8b_b16_$d"
       done ;;
+    smollm2_step)  # where a SmolLM2-135M f32 engine step goes (random weights, batch 1)
+      EL="python3 -m benchmarks.engine_loop --target=smollm2-135m --dtype=float32 --batch_sizes=1
+        --contexts=512 --lengths=0,4 --top_ops=${TOP_OPS:-40}"
+      run sm_step_default $EL --output_dir="$OUT/sm_step_default"
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" run sm_step_nocb $EL \
+        --output_dir="$OUT/sm_step_nocb"
+      XLA_FLAGS="--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL" \
+        run sm_step_cball $EL --output_dir="$OUT/sm_step_cball"
+      run sm_step_scan $EL --layer_execution=scan --output_dir="$OUT/sm_step_scan"
+      run sm_step_pallas $EL --attention_implementation=pallas_gpu,reference \
+        --output_dir="$OUT/sm_step_pallas" ;;
     device_loop_smollm2)  # the SmolLM2 must-show, from an empty compile cache
       SPECJAX_COMPILATION_CACHE=${SPECJAX_COMPILATION_CACHE:-$OUT/cc_empty} run eval_device_loop \
         evaluate --target=smollm2-135m --methods=ar,ngram,suffix --num_prompts=12 \

@@ -9,20 +9,15 @@ fusion suffixes folded), so a slow step shows which kernels or copies dominate.
 
 from __future__ import annotations
 
-import collections
 import cProfile
-import glob
-import gzip
-import json
-import os
 import pstats
-import re
 import tempfile
 import time
 
 import jax
 from absl import app, flags
 
+from benchmarks.device_time import top_ops
 from benchmarks.step_cost import StepBenchConfig, _Runner
 from models.shapes import SHAPES
 
@@ -39,24 +34,6 @@ _TOP = flags.DEFINE_integer("top", 25, "Ops to print.")
 _HOST = flags.DEFINE_boolean("host_profile", False, "Also cProfile the host side of the steps.")
 _UNROLL = flags.DEFINE_boolean("unroll_layers", True, "Unrolled layers (else the layer scan).")
 
-_HOST_PREFIXES = ("$", "ThunkExecutor", "PjitFunction", "Pjit", "TfrtCpu", "PjRt")
-
-
-def top_ops(trace_dir: str, reps: int) -> list[tuple[str, float, int]]:
-  """``(op name, ms per step, calls per step)`` from the newest trace under ``trace_dir``."""
-  files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
-  if not files:
-    raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
-  with gzip.open(files[-1]) as f:
-    events = json.load(f)["traceEvents"]
-  total, calls = collections.Counter(), collections.Counter()
-  for e in events:
-    if e.get("ph") != "X" or str(e.get("name", "")).startswith(_HOST_PREFIXES):
-      continue
-    name = re.sub(r"\.\d+$", "", e["name"])
-    total[name] += e.get("dur", 0)
-    calls[name] += 1
-  return [(n, us / reps / 1e3, calls[n] // reps) for n, us in total.most_common()]
 
 
 def main(argv):

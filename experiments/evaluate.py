@@ -102,8 +102,11 @@ _DRAFT_SHARDING = flags.DEFINE_enum(
 _BATCHED = flags.DEFINE_integer(
     "max_num_batched_tokens", 512, "Prefill token budget per engine iteration (chunked prefill).")
 _PRECOMPILE = flags.DEFINE_boolean(
-    "precompile", True, "In the warm-up, also compile every decode-step shape the measured "
-    "passes can meet (Engine.precompile), so they compile none.")
+    "precompile", True, "In the warm-up, first compile every decode, verify and prefill "
+    "shape the measured passes can meet (Engine.precompile), so they compile none.")
+_PRECOMPILE_THREADS = flags.DEFINE_integer(
+    "precompile_threads", None, "Compile threads of --precompile (default: the cores, at "
+    "most 16; 1: one shape at a time).", lower_bound=1)
 _STEPS_PER_DISPATCH = flags.DEFINE_integer(
     "steps_per_dispatch", 1, "Engine iterations per device call (plain decoding and fused "
     "proposers such as ngram; EngineConfig.steps_per_dispatch).")
@@ -181,7 +184,7 @@ def config_from_flags() -> EvalConfig:
       verify_implementation=_verify_implementation(_VERIFY.value),
       matmul_precision=_PRECISION.value,
       max_num_batched_tokens=_BATCHED.value, steps_per_dispatch=_STEPS_PER_DISPATCH.value,
-      precompile=_PRECOMPILE.value,
+      precompile=_PRECOMPILE.value, precompile_threads=_PRECOMPILE_THREADS.value,
       compilation_cache=_CACHE.value,
       mesh=_MESH.value, draft_sharding=_DRAFT_SHARDING.value,
       slo_ttft_s=None if _SLO_TTFT.value is None else _SLO_TTFT.value / 1e3,

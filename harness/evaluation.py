@@ -144,10 +144,13 @@ class EvalConfig:
       requests at once, ``max_num_seqs`` of them running at a time).
     dtype: "float32" or "bfloat16" for the models.
     warmup: run a warm-up subset of the workload untimed per engine before measuring.
-    precompile: after the warm-up pass, run all-padding steps of every decode shape the
-      measured passes can meet (``Engine.precompile``), so they compile no decode step;
-      costs the compiles of shapes the workload may not reach (about 11 s each for
-      SmolLM2 on a 2-core CPU, far less from a warm compilation cache).
+    precompile: before the warm-up pass, compile every decode, verify and prefill shape
+      the measured passes can meet (``Engine.precompile``: in ``precompile_threads``
+      threads, then one all-padding call each), so they compile none; costs the
+      compiles of shapes the workload may not reach (about 11 s each for SmolLM2 on a
+      2-core CPU, far less from a warm compilation cache).
+    precompile_threads: compile threads of ``precompile`` (None: the machine's cores,
+      at most 16; 1: one shape at a time).
     warmup_tokens: max new tokens per request in that warm-up pass (None: the full
       ``max_new_tokens``). A short warm-up compiles every prefill bucket and the early
       decode buckets; buckets first reached later compile inside the measured pass,
@@ -204,6 +207,7 @@ class EvalConfig:
   warmup: bool = True
   warmup_tokens: int | None = 16
   precompile: bool = True
+  precompile_threads: int | None = None
   chat_template: bool = True
   layer_execution: str = "unrolled"
   ignore_eos: bool | None = None
@@ -239,6 +243,9 @@ class EvalConfig:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
     if self.num_speculative_tokens < 1:
       raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 1")
+    if self.precompile_threads is not None and self.precompile_threads < 1:
+      raise ValueError(f"precompile_threads={self.precompile_threads} must be >= 1 (None: "
+                       "the machine's cores)")
     if not self.temperature >= 0:
       raise ValueError(f"temperature={self.temperature} must be >= 0")
     if self.request_rate is not None and not self.request_rate > 0:
@@ -536,11 +543,12 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
           t0 = time.perf_counter()
           for name, engine in engines.items():
             bar.start(f"warm-up {name} b={batch}", warm_budget)
-            engine.generate(warm_requests, progress=bar)
-            # Every decode-step shape the measured passes can meet (batch and page-table
-            # buckets the warm-up's short outputs did not reach).
+            # Every step shape the measured passes can meet (decode, verify and prefill
+            # buckets), compiled in threads; the warm-up pass then compiles what is left
+            # (slot admission, a method's own host-called functions).
             if cfg.precompile:
-              engine.precompile(requests)
+              engine.precompile(requests, num_threads=cfg.precompile_threads)
+            engine.generate(warm_requests, progress=bar)
             bar.finish()
             # Cross-request caches (suffix decoding's global tree, adaptive's estimates)
             # must not carry the warm-up's responses into the measured pass.

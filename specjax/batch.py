@@ -28,7 +28,17 @@ import numpy as np
 
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "DeviceBatch", "StepBatch", "build_batch", "unpack_batch"]
+__all__ = ["AttentionMetadata", "DeviceBatch", "StepBatch", "bucket", "build_batch",
+           "unpack_batch"]
+
+
+def bucket(n: int, cap: int, minimum: int = 1, growth: int = 2) -> int:
+  """Smallest ``minimum * growth**i`` >= n, capped at ``cap`` (e.g. 5 -> 8; growth 4,
+  minimum 4: 5 -> 16)."""
+  b = minimum
+  while b < n:
+    b *= growth
+  return max(n, min(b, cap))
 
 _FIXED = 2  # columns after the page table, before the drafts
 

@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
+from specjax import precompile as _precompile
 from specjax import sharding
-from specjax.batch import build_batch
+from specjax.batch import bucket, build_batch
 from specjax.commit import commit_rows
 from specjax.config import AUTO_VERIFY_IMPLEMENTATION, EngineConfig
 from specjax.kv_cache import page_table, pages_needed
@@ -49,18 +50,6 @@ from specjax.steps import SplitModel, StepPlan, engine_step, forward_step, split
 from specjax.tree import node_depths, tree_mask, tree_positions, validate_tree
 
 __all__ = ["Engine", "bucket"]
-
-# A row that write_slots drops (slot -1): precompiles its admission shapes.
-_PADDING_ROW = RequestState(Request("padding", (0,)), np.zeros(2, np.uint32), [0])
-
-
-def bucket(n: int, cap: int, minimum: int = 1, growth: int = 2) -> int:
-  """Smallest ``minimum * growth**i`` >= n, capped at ``cap`` (e.g. 5 -> 8; growth 4,
-  minimum 4: 5 -> 16)."""
-  b = minimum
-  while b < n:
-    b *= growth
-  return max(n, min(b, cap))
 
 
 class Engine:
@@ -371,55 +360,28 @@ class Engine:
   _run_start = 0.0
 
   # ------------------------------------------------------------------ compiles
-  def precompile(self, requests: Sequence[Request]) -> int:
-    """Compiles every decode-step shape ``requests`` can meet, by running steps whose
-    rows are all padding (no KV, slot or draft state changes): each batch bucket up to
-    ``max_num_seqs`` x each page-table bucket up to the longest request's prompt +
-    ``max_tokens`` x the step lengths the method uses (fused methods and plain
-    decoding: one; host drafters: 0 and every bucket up to k) x the sampler of the
-    requests taken together (a step of a subset of mixed greedy / sampled requests can
-    need another). Afterwards a run of these requests compiles no decode step; prefill
-    shapes are not covered (a warm-up pass over one prompt per prefill bucket is).
-    Methods whose steps take device drafts or draft probabilities from a host-called
-    proposer (learned heads, the host-called draft model, trees) are skipped: their
-    shapes depend on the drafts. Returns the number of step shapes run.
+  def precompile(self, requests: Sequence[Request], num_threads: int | None = None) -> int:
+    """Compiles every step shape ``requests`` can meet (``specjax.precompile``), by
+    running calls whose rows are all padding (no KV, slot or draft state changes):
+
+    * decode / verify steps: each batch bucket up to ``max_num_seqs`` x each page-table
+      bucket up to the longest request's prompt + ``max_tokens`` x the step lengths the
+      method uses (fused methods and plain decoding: one; host drafters: 0 and every
+      bucket up to k) x the sampler of the requests taken together (a step of a subset
+      of mixed greedy / sampled requests can need another). Methods whose steps take
+      device drafts or draft probabilities from a host-called proposer (learned heads,
+      the host-called draft model, trees) are skipped: their shapes depend on the drafts.
+    * prefill calls: every (batch, prefill length, page-table) bucket the chunked
+      prefill of these prompts can make (``specjax.precompile.prefill_shapes``), with a
+      fused proposer's own prefill.
+
+    The shapes are compiled first in ``num_threads`` threads (default
+    ``specjax.precompile.default_num_threads()``; 1: one by one, by the padding calls). Afterwards a run of these requests compiles nothing, unless a
+    preemption recomputes a prefill longer than any prompt. Returns the number of
+    shapes run.
     """
     self._validate(requests)
-    cfg = self.config
-    if self.k and not self.fused and (self.caps.runs_on != "host" or self.caps.tree):
-      return 0
-    most = max(min(len(r.prompt_token_ids) + r.sampling.max_tokens + self.k + 1,
-                   cfg.max_model_len) for r in requests)
-    batches = sorted({bucket(n, cfg.max_num_seqs) for n in range(1, cfg.max_num_seqs + 1)})
-    widths = sorted({self._pages_bucket([n]) for n in range(1, most + cfg.page_size,
-                                                          cfg.page_size)})
-    if self.k == 0 or self.fused:
-      plans = [(self.k, False)]
-    else:
-      plans = [(0, True)] + [(n, True) for n in sorted({bucket(i, self.k)
-                                                         for i in range(1, self.k + 1)})]
-    rows = [RequestState(r, np.zeros(2, np.uint32), list(r.prompt_token_ids)) for r in requests]
-    sampler, fused, _ = self._sampler_plan(rows, False)
-    self.slots = init_slots(cfg.max_num_seqs, cfg.max_model_len, self._num_stop_ids(requests))
-    if self.fused:
-      self._pparams, self._pstate = self.method.init_device(self.runtime)
-    count = 0
-    for n in sorted({padded_rows(i) for i in range(1, cfg.max_num_seqs + 1)}):
-      self.slots = write_slots(self.slots, [-1] * n, [_PADDING_ROW] * n, self.eos_ids)
-      if self.fused:
-        self._pstate = self.method.reset_device(self._pparams, self._pstate,
-                                                np.full(n, -1, np.int32), np.zeros(n, np.int32))
-    for batch in batches:
-      for width in widths:
-        for length, host in plans:
-          sb = build_batch(batch=batch, width=width, length=length if host else 0,
-                           page_tables=[], slots=[])
-          plan = self._plan(sampler, fused, length, host=host,
-                            iterations=1 if host else cfg.steps_per_dispatch)
-          results, _ = self._dispatch(plan, sb)
-          count += 1
-    jax.block_until_ready(results)
-    return count
+    return _precompile.precompile(self, requests, num_threads)
 
   # ------------------------------------------------------------------ slots
   def _num_stop_ids(self, requests) -> int:
@@ -463,15 +425,20 @@ class Engine:
         has_draft_probs=probs, synthetic_acceptance=self.config.synthetic_acceptance,
         num_layers=self.target.config.num_layers)
 
+  def _step_args(self, plan, batch, draft_tokens=None, draft_probs=None, tree_arrays=None):
+    """``(args, kwargs)`` of the ``engine_step`` call of this plan and batch."""
+    proposer = self.method if self.fused and not plan.host_drafts else None
+    pparams, pstate = ((self._pparams, self._pstate) if proposer is not None else ((), ()))
+    return ((self.target.graphdef, self.target.params, self.kv_caches, self.slots, pparams,
+             pstate, batch.ints, draft_tokens, draft_probs, tree_arrays),
+            dict(plan=plan, proposer=proposer))
+
   def _dispatch(self, plan, batch, draft_tokens=None, draft_probs=None, tree_arrays=None):
     """One ``engine_step`` call; returns ``(results i32[N, B, L+3], hidden)`` (device
     arrays) without waiting."""
-    proposer = self.method if self.fused and not plan.host_drafts else None
-    pparams, pstate = ((self._pparams, self._pstate) if proposer is not None else ((), ()))
-    self.kv_caches, self.slots, pstate, results, hidden = engine_step(
-        self.target.graphdef, self.target.params, self.kv_caches, self.slots, pparams, pstate,
-        batch.ints, draft_tokens, draft_probs, tree_arrays, plan=plan, proposer=proposer)
-    if proposer is not None:
+    args, kwargs = self._step_args(plan, batch, draft_tokens, draft_probs, tree_arrays)
+    self.kv_caches, self.slots, pstate, results, hidden = engine_step(*args, **kwargs)
+    if kwargs["proposer"] is not None:
       self._pstate = pstate
     return results, hidden
 

@@ -1,32 +1,90 @@
-"""``Engine.precompile``: after it, a run compiles no decode step (prefill shapes are
-compiled by the run itself, so they are warmed up by one run of the same prompts)."""
+"""``Engine.precompile``: after it, a run of the same requests compiles nothing (decode,
+verify and prefill shapes), compiled one by one or in threads first, with unchanged
+greedy outputs."""
 
+import jax
 import pytest
 from e2e_lib import ENGINE_CONFIG, make_requests
 
 from harness.synthetic import ConstantDrafter
 from methods.ngram import NGram
 from methods.registry import make_method
+from specjax.batch import bucket
+from specjax.metrics import CompileMonitor
+from specjax.precompile import prefill_shapes
+from specjax.request import Request
 
 pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _pages_bucket(page_size):
+  return lambda ends: bucket(-(-max(ends) // page_size), 64, minimum=4, growth=4)
+
+
+def test_prefill_shapes_docstring_example():
+  reqs = [Request("a", (0,) * 40), Request("b", (0,) * 700)]
+  shapes = prefill_shapes(reqs, bucket=bucket, pages_bucket=_pages_bucket(16), max_num_seqs=4,
+                          budget=512, min_bucket=16)
+  assert shapes == [(1, 64, 4), (1, 256, 64), (1, 512, 64), (2, 256, 64)]
+
+
+def test_prefill_shapes_cover_what_a_run_meets(make_engine):
+  """Every prefill call of a real run has a shape from prefill_shapes."""
+  requests = make_requests(5, 7, prompt_len=(1, 30), max_tokens=(1, 3))
+  cfg = ENGINE_CONFIG.replace(max_num_seqs=4, max_model_len=40, num_pages=64,
+                              max_num_batched_tokens=64, min_prefill_bucket=8)
+  engine = make_engine("ar", cfg)
+  seen = []
+  real = engine._prefill
+
+  def spy(chunks, metrics, state):
+    t = bucket(max(e - s for _, s, e in chunks), cfg.max_num_batched_tokens,
+               cfg.min_prefill_bucket)
+    seen.append((bucket(len(chunks), cfg.max_num_seqs), t,
+                 engine._pages_bucket([e for _, _, e in chunks])))
+    return real(chunks, metrics, state)
+
+  engine._prefill = spy
+  engine.generate(requests)
+  shapes = set(prefill_shapes(requests, bucket=bucket, pages_bucket=engine._pages_bucket,
+                              max_num_seqs=cfg.max_num_seqs, budget=cfg.max_num_batched_tokens,
+                              min_bucket=cfg.min_prefill_bucket))
+  assert seen and set(seen) <= shapes, set(seen) - shapes
 
 
 @pytest.mark.parametrize("method", [
     make_method("ar"), NGram(k=4),
     pytest.param(NGram(k=4, device=False), marks=pytest.mark.slow),
     pytest.param(ConstantDrafter(k=2), marks=pytest.mark.slow)])
-def test_no_decode_compiles_after_precompile(make_engine, reference, method):
+def test_no_compiles_after_precompile(make_engine, reference, method):
   requests = make_requests(31, 6)
   cfg = ENGINE_CONFIG.replace(max_num_seqs=4)
-  # Prefill shapes: one run of a single request per prompt warms them (batch bucket 1).
-  warm = make_engine(method, cfg)
-  for r in requests:
-    warm.generate([r])
   engine = make_engine(method, cfg)
-  assert engine.precompile(requests) > 0
+  assert engine.precompile(requests, num_threads=1) > 0
   outputs, metrics = engine.generate(requests)
   decode_compiles = [s for s in metrics.steps if s.compiled]
   assert not decode_compiles, [(s.num_rows, s.pages_bucket, s.query_bucket)
                                for s in decode_compiles]
+  assert metrics.num_compiles == 0 and metrics.prefill_compiled_s == 0
   if method.name != "constant":
     assert [o.output_token_ids for o in outputs] == reference(requests)
+
+
+def test_threaded_precompile(make_engine, reference):
+  """Compiled in threads first, then run as padding calls: as many compiles as one by
+  one (each shape once, not again in its padding call, also under a thread-local
+  precision context as evaluations run), and the run compiles nothing."""
+  requests = make_requests(32, 5)
+  cfg = ENGINE_CONFIG.replace(max_num_seqs=2, min_prefill_bucket=16)
+  compiles = {}
+  with jax.default_matmul_precision("float32"):
+    for threads in (1, 2):
+      engine = make_engine(NGram(k=3), cfg)
+      jax.clear_caches()
+      c0 = CompileMonitor.snapshot()[0]
+      count = engine.precompile(requests, num_threads=threads)
+      compiles[threads] = CompileMonitor.snapshot()[0] - c0
+    outputs, metrics = engine.generate(requests)
+  assert count > 0 and compiles[2] == compiles[1] >= count, (count, compiles)
+  assert metrics.num_compiles == 0 and not any(s.compiled for s in metrics.steps)
+  assert [o.output_token_ids for o in outputs] == reference(requests)
