@@ -157,6 +157,14 @@ for step in "$@"; do
       run sm_step_scan $EL --layer_execution=scan --output_dir="$OUT/sm_step_scan"
       run sm_step_pallas $EL --attention_implementation=pallas_gpu,reference \
         --output_dir="$OUT/sm_step_pallas" ;;
+    smollm2_spd)  # steps per dispatch at SmolLM2 size, both attention back ends
+      for impl in reference pallas_gpu,reference; do
+        for n in 1 2 4 8; do
+          run "sm_spd${n}_${impl%%,*}" python3 -m benchmarks.engine_loop --target=smollm2-135m \
+            --dtype=float32 --batch_sizes=1,4 --contexts=512 --lengths=0,4 --steps_per_dispatch=$n \
+            --attention_implementation=$impl --output_dir="$OUT/sm_spd${n}_${impl%%,*}"
+        done
+      done ;;
     device_loop_smollm2)  # the SmolLM2 must-show, from an empty compile cache
       SPECJAX_COMPILATION_CACHE=${SPECJAX_COMPILATION_CACHE:-$OUT/cc_empty} run eval_device_loop \
         evaluate --target=smollm2-135m --methods=ar,ngram,suffix --num_prompts=12 \
