@@ -11,11 +11,12 @@ import json
 import os
 import re
 
-__all__ = ["device_busy_seconds", "top_ops"]
+__all__ = ["device_busy_seconds", "top_host_events", "top_ops"]
 
 
-def _device_events(trace_dir: str) -> list[dict]:
-  """The complete ("X") events on the device (GPU/TPU) tracks of the newest trace."""
+def _device_events(trace_dir: str, host: bool = False) -> list[dict]:
+  """The complete ("X") events on the device (GPU/TPU) tracks of the newest trace (with
+  ``host``: on every other track, the host threads)."""
   files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
   if not files:
     raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
@@ -26,7 +27,7 @@ def _device_events(trace_dir: str) -> list[dict]:
   device = {pid for pid, n in names.items() if "/device:" in n and "CPU" not in n.upper()}
   if not device:
     raise ValueError(f"no device track in {files[-1]} (process names: {sorted(names.values())})")
-  return [e for e in events if e.get("ph") == "X" and e.get("pid") in device]
+  return [e for e in events if e.get("ph") == "X" and (e.get("pid") in device) != host]
 
 
 def device_busy_seconds(trace_dir: str) -> float:
@@ -47,12 +48,29 @@ def device_busy_seconds(trace_dir: str) -> float:
   return busy * 1e-6
 
 
-def top_ops(trace_dir: str, reps: int) -> list[tuple[str, float, int]]:
+def top_ops(trace_dir: str, reps: int, fold: bool = True) -> list[tuple[str, float, int]]:
   """``(op name, ms per step, calls per step)`` of the device tracks of the newest trace
-  under ``trace_dir``, most time first; numbered suffixes (``fusion.12``) are folded and
-  the totals divided by ``reps`` steps. Raises as ``device_busy_seconds``."""
+  under ``trace_dir``, most time first, the totals divided by ``reps`` steps; with
+  ``fold`` numbered suffixes (``fusion.12``) are folded into one name. Raises as
+  ``device_busy_seconds``."""
   total, calls = collections.Counter(), collections.Counter()
   for e in _device_events(trace_dir):
+    name = str(e.get("name", ""))
+    if fold:
+      name = re.sub(r"\.\d+$", "", name)
+    total[name] += e.get("dur", 0)
+    calls[name] += 1
+  return [(n, us / reps / 1e3, calls[n] // reps) for n, us in total.most_common()]
+
+
+def top_host_events(trace_dir: str, reps: int) -> list[tuple[str, float, int]]:
+  """``(event name, ms per step, calls per step)`` of the host tracks (runtime TraceMe
+  and CUDA API events: dispatch, command-buffer updates, launches, copies) of the newest
+  trace under ``trace_dir``, most time first. Times are inclusive (a nested event is
+  also inside its parent's), the totals divided by ``reps`` steps; numbered suffixes are
+  folded. Raises as ``device_busy_seconds``."""
+  total, calls = collections.Counter(), collections.Counter()
+  for e in _device_events(trace_dir, host=True):
     name = re.sub(r"\.\d+$", "", str(e.get("name", "")))
     total[name] += e.get("dur", 0)
     calls[name] += 1

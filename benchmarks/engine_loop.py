@@ -36,8 +36,10 @@ count: proportional scaling), marked by ``scaled`` ("linear" / "proportional").
 
 from __future__ import annotations
 
+import cProfile
 import dataclasses
 import os
+import pstats
 import tempfile
 import time
 
@@ -47,7 +49,7 @@ import numpy as np
 import pandas as pd
 from absl import app, flags
 
-from benchmarks.device_time import device_busy_seconds, top_ops
+from benchmarks.device_time import device_busy_seconds, top_host_events, top_ops
 from benchmarks.step_cost import _kv_bytes, _param_bytes
 from harness import plots
 from harness.synthetic import ConstantDrafter
@@ -96,13 +98,17 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                     new_tokens: int, attention_implementation, profile: bool,
                     layer_execution: str = "unrolled", meshes=("none",), num_layers=None,
                     drafter: str = "constant", draft: str | None = None,
-                    steps_per_dispatch: int = 1, top: int = 0, log=print) -> pd.DataFrame:
+                    steps_per_dispatch: int = 1, top: int = 0, ops_dir: str | None = None,
+                    log=print) -> pd.DataFrame:
   """One row per (num_layers, mesh, batch, context, L); see the module docstring.
   ``target`` is a ``SHAPES`` name (random weights) or a ``models.zoo`` model (real
   weights); ``meshes`` holds "none" and/or ``specjax.sharding.parse_mesh`` strings;
   ``drafter`` is "constant" (fused), "constant_host" or "draft_model" (with the
   ``draft`` shape, random weights); ``top`` > 0 logs the profiled run's ``top`` device
-  ops per engine step (``benchmarks.device_time.top_ops``, prefill included).
+  ops per engine step (``benchmarks.device_time.top_ops``, prefill included) and the
+  ``top`` Python functions of one more run by own time per step (cProfile) and, with
+  ``ops_dir``, writes every op unfolded to ``ops_dir/ops_b{batch}_ctx{context}_L{L}.csv``
+  and the host tracks' events (``top_host_events``) to ``host_b{batch}_ctx{context}_L{L}.csv``.
 
   Raises:
     ValueError: an unknown ``drafter``, or "draft_model" without ``draft``.
@@ -133,7 +139,8 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                  contexts=contexts, lengths=lengths, new_tokens=new_tokens,
                  attention_implementation=attention_implementation, profile=profile,
                  layer_execution=layer_execution, drafter=drafter, draft_split=draft_split,
-                 steps_per_dispatch=steps_per_dispatch, top=top, log=log)
+                 steps_per_dispatch=steps_per_dispatch, top=top, ops_dir=ops_dir,
+                 log=log)
       df.insert(3, "drafter", drafter if draft_split is None else f"draft_model:{draft}")
       df.insert(2, "num_layers", cfg.num_layers)
       frames.append(df)
@@ -184,7 +191,7 @@ def _method(drafter: str, length: int):
 
 def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths, new_tokens,
           attention_implementation, profile, layer_execution, drafter, draft_split,
-          steps_per_dispatch, top, log) -> pd.DataFrame:
+          steps_per_dispatch, top, ops_dir, log) -> pd.DataFrame:
   """The (batch, context, L) rows of one placed model."""
   placement = sharding.describe(mesh, cfg=cfg)
   rng = np.random.default_rng(0)
@@ -217,9 +224,24 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
               _, pmet = engine.generate(reqs)
             busy = device_busy_seconds(d)
             if top:
-              for name, ms, calls in top_ops(d, max(1, len(pmet.steps)))[:top]:
+              reps = max(1, len(pmet.steps))
+              for name, ms, calls in top_ops(d, reps)[:top]:
                 log(f"  L={length} op {name}: {ms:.4f} ms/step, {calls} calls/step")
+            if top and ops_dir:
+              os.makedirs(ops_dir, exist_ok=True)
+              pd.DataFrame(top_ops(d, reps, fold=False), columns=["op", "ms_per_step",
+                                                                 "calls_per_step"]).to_csv(
+                  os.path.join(ops_dir, f"ops_b{batch}_ctx{context}_L{length}.csv"),
+                  index=False)
+              host = top_host_events(d, reps)
+              for name, ms, calls in host[:top]:
+                log(f"  L={length} host {name}: {ms:.4f} ms/step, {calls} calls/step")
+              pd.DataFrame(host, columns=["event", "ms_per_step", "calls_per_step"]).to_csv(
+                  os.path.join(ops_dir, f"host_b{batch}_ctx{context}_L{length}.csv"),
+                  index=False)
           device_ms = 1e3 * (busy - pmet.prefill_s) / max(1, len(pmet.steps))
+        if top:
+          _log_python_profile(engine, reqs, length, top, log)
         mean_ctx = context + new_tokens * (length + 1) / 2
         roof_ms = 1e3 * (_param_bytes(cfg, batch) + _kv_bytes(cfg, batch, int(mean_ctx))) / bw
         if length == 0:
@@ -242,6 +264,21 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
                          "roofline_fraction",
                          "c", "tokens_per_s", "step_over_device")))
   return pd.DataFrame(rows)
+
+
+def _log_python_profile(engine, reqs, length: int, top: int, log) -> None:
+  """Logs the ``top`` Python functions by own time (cProfile) per engine step of one
+  more run: where the host's share of a step goes (the jitted call's dispatch counts in
+  its caller's own time)."""
+  prof = cProfile.Profile()
+  prof.enable()
+  _, met = engine.generate(reqs)
+  prof.disable()
+  per = max(1, len(met.steps))
+  stats = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])
+  for (file, line, fn), (_, calls, own, cum, _) in stats[:top]:
+    log(f"  L={length} python {os.path.basename(file)}:{line}({fn}): {1e3 * own / per:.4f} "
+        f"ms/step own, {1e3 * cum / per:.4f} cumulative, {calls / per:.2f} calls/step")
 
 
 DRAFTERS = ("constant", "constant_host", "draft_model")
@@ -282,7 +319,7 @@ def main(argv):
       profile=_PROFILE.value, layer_execution=_LAYERS.value, meshes=_MESHES.value,
       num_layers=[int(n) for n in _NUM_LAYERS.value] if _NUM_LAYERS.value else None,
       drafter=_DRAFTER.value, draft=_DRAFT.value, steps_per_dispatch=_STEPS.value,
-      top=_TOP.value)
+      top=_TOP.value, ops_dir=_OUT.value)
   os.makedirs(_OUT.value, exist_ok=True)
   df.to_csv(os.path.join(_OUT.value, "engine_loop.csv"), index=False)
   plots.engine_loop_figure(df, os.path.join(_OUT.value, "engine_loop.png"))

@@ -157,6 +157,20 @@ for step in "$@"; do
       run sm_step_scan $EL --layer_execution=scan --output_dir="$OUT/sm_step_scan"
       run sm_step_pallas $EL --attention_implementation=pallas_gpu,reference \
         --output_dir="$OUT/sm_step_pallas" ;;
+    smollm2_host)  # the host side of a SmolLM2 f32 step (runtime events, Python) and XLA's
+      # command-buffer update modes where this jaxlib has them ($OUT/xla_flags.txt)
+      for so in $(python3 -c "import glob, os, jaxlib; d = os.path.dirname(os.path.dirname(jaxlib.__file__)); print(' '.join(glob.glob(d + '/jax*/**/*.so', recursive=True)))"); do
+        strings "$so" | grep -E "^(xla_gpu_command_buffer|xla_gpu_enable_command_buffer|xla_gpu_graph|ALWAYS_UPDATE|SKIP_[A-Z]+|FULL_UPDATE|NEVER_UPDATE)" || true
+      done | sort -u > "$OUT/xla_flags.txt"
+      EL="python3 -m benchmarks.engine_loop --target=smollm2-135m --dtype=float32 --batch_sizes=1
+        --contexts=512 --lengths=0,4 --top_ops=${TOP_OPS:-30}"
+      run sm_host_default $EL --output_dir="$OUT/sm_host_default"
+      if grep -qx xla_gpu_command_buffer_update_mode "$OUT/xla_flags.txt"; then
+        for mode in $(grep -E "^SKIP_[A-Z]+$" "$OUT/xla_flags.txt"); do
+          XLA_FLAGS="--xla_gpu_command_buffer_update_mode=$mode" run "sm_host_$mode" $EL \
+            --output_dir="$OUT/sm_host_$mode"
+        done
+      fi ;;
     smollm2_spd)  # steps per dispatch at SmolLM2 size, both attention back ends
       for impl in reference pallas_gpu,reference; do
         for n in 1 2 4 8; do
