@@ -160,7 +160,7 @@ for step in "$@"; do
     smollm2_host)  # the host side of a SmolLM2 f32 step (runtime events, Python) and XLA's
       # command-buffer update modes where this jaxlib has them ($OUT/xla_flags.txt)
       for so in $(python3 -c "import glob, os, jaxlib; d = os.path.dirname(os.path.dirname(jaxlib.__file__)); print(' '.join(glob.glob(d + '/jax*/**/*.so', recursive=True)))"); do
-        strings "$so" | grep -E "^(xla_gpu_command_buffer|xla_gpu_enable_command_buffer|xla_gpu_graph|ALWAYS_UPDATE|SKIP_[A-Z]+|FULL_UPDATE|NEVER_UPDATE)" || true
+        strings "$so" | grep -E "^([a-z_]*(command_buffer|va_remap|vmm|graph_min)[a-z_]*|ALWAYS_UPDATE|SKIP_[A-Z_]+|[A-Z_]*UPDATE[A-Z_]*)$" || true
       done | sort -u > "$OUT/xla_flags.txt"
       EL="python3 -m benchmarks.engine_loop --target=smollm2-135m --dtype=float32 --batch_sizes=1
         --contexts=512 --lengths=0,4 --top_ops=${TOP_OPS:-30}"
