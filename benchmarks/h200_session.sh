@@ -171,6 +171,16 @@ for step in "$@"; do
             --output_dir="$OUT/sm_host_$mode"
         done
       fi ;;
+    smollm2_cb)  # steps per dispatch with the scan unrolled into one command buffer (CUDA graph)
+      EL="python3 -m benchmarks.engine_loop --target=smollm2-135m --dtype=float32 --batch_sizes=1
+        --contexts=512 --lengths=0,4 --top_ops=${TOP_OPS:-12}"
+      CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL --xla_gpu_command_buffer_unroll_loops=true"
+      for n in ${SPD:-1 4}; do
+        run "sm_cb_spd$n" $EL --steps_per_dispatch=$n --output_dir="$OUT/sm_cb_spd$n"
+        XLA_FLAGS="$CB" run "sm_cb_unroll_spd$n" $EL --steps_per_dispatch=$n \
+          --output_dir="$OUT/sm_cb_unroll_spd$n"
+      done
+      XLA_FLAGS="$CB" run sm_cb_unroll_scan $EL --layer_execution=scan --output_dir="$OUT/sm_cb_unroll_scan" ;;
     smollm2_spd)  # steps per dispatch at SmolLM2 size, both attention back ends
       for impl in reference pallas_gpu,reference; do
         for n in 1 2 4 8; do
