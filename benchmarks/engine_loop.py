@@ -53,6 +53,7 @@ from benchmarks.device_time import device_busy_seconds, top_host_events, top_ops
 from benchmarks.step_cost import _kv_bytes, _param_bytes
 from harness import plots
 from harness.synthetic import ConstantDrafter
+from models.layers import set_two_row_decode, two_row_decode
 from models.shapes import SHAPES
 from specjax import sharding
 from specjax.compile_cache import enable_compilation_cache
@@ -257,6 +258,7 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
             device=jax.devices()[0].device_kind, backend=jax.default_backend(),
             attention_implementation=str(attention_implementation),
             layer_execution=layer_execution, steps_per_dispatch=steps_per_dispatch,
+            two_row_decode=two_row_decode(),
             runs_on=method.capabilities().runs_on, jax_version=jax.__version__, **placement))
         log(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                      for k, v in rows[-1].items() if k in (
@@ -304,6 +306,8 @@ _DRAFT = flags.DEFINE_string("draft", "llama3.2-1b", "models.shapes draft of --d
 _STEPS = flags.DEFINE_integer("steps_per_dispatch", 1, "Engine iterations per device call.")
 _TOP = flags.DEFINE_integer("top_ops", 0, "With --profile: log this many top device ops "
                             "per engine step of each row's profiled run.")
+_TWO_ROW = flags.DEFINE_boolean("two_row_decode", True, "models.layers.project's two-row "
+                                "GPU decode of one-row projections (off: plain one-row dots).")
 _NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the target with "
                                 "(adds columns scaled to the shape's full layer count).")
 
@@ -311,6 +315,7 @@ _NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the t
 def main(argv):
   del argv
   enable_compilation_cache()
+  set_two_row_decode(_TWO_ROW.value)
   impl = tuple(_IMPL.value)
   df = run_engine_loop(
       target=_TARGET.value, dtype=_DTYPE.value, batch_sizes=[int(b) for b in _BATCH.value],

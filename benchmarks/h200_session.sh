@@ -181,6 +181,18 @@ for step in "$@"; do
           --output_dir="$OUT/sm_cb_unroll_spd$n"
       done
       XLA_FLAGS="$CB" run sm_cb_unroll_scan $EL --layer_execution=scan --output_dir="$OUT/sm_cb_unroll_scan" ;;
+    spd_pick)  # steps per dispatch (and project's two-row decode) at SmolLM2 and 8B size
+      EL="python3 -m benchmarks.engine_loop --contexts=512 --lengths=0,4"
+      SM="--target=smollm2-135m --dtype=float32 --batch_sizes=1,4"
+      for n in 1 2 4 8; do
+        run "pick_sm_spd$n" $EL $SM --steps_per_dispatch=$n --output_dir="$OUT/pick_sm_spd$n"
+      done
+      run pick_sm_onerow $EL $SM --notwo_row_decode --output_dir="$OUT/pick_sm_onerow"
+      for n in 1 4; do
+        run "pick_8b_spd$n" $EL --target=llama3-8b --dtype=bfloat16 --batch_sizes=1,16 \
+          --attention_implementation=pallas_gpu,reference --steps_per_dispatch=$n \
+          --output_dir="$OUT/pick_8b_spd$n"
+      done ;;
     smollm2_spd)  # steps per dispatch at SmolLM2 size, both attention back ends
       for impl in reference pallas_gpu,reference; do
         for n in 1 2 4 8; do

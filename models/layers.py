@@ -8,7 +8,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "activation", "project"]
+__all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "activation", "project",
+           "set_two_row_decode", "two_row_decode"]
+
+_TWO_ROW_DECODE = [True]
+
+
+def set_two_row_decode(enabled: bool) -> None:
+  """Turns ``project``'s two-row GPU decode on (the default) or off, for the functions
+  traced after the call (a benchmark knob: ``benchmarks.engine_loop --two_row_decode``)."""
+  _TWO_ROW_DECODE[0] = bool(enabled)
+
+
+def two_row_decode() -> bool:
+  """Whether ``project`` computes one-row GPU projections as two rows (``set_two_row_decode``)."""
+  return _TWO_ROW_DECODE[0]
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
@@ -21,7 +35,8 @@ def project(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
   one query row and 4.74 ms with two (``experiments.bench_step``, session 4). Other
   backends get the plain einsum (on XLA CPU two rows cost more than one).
   """
-  if x.ndim < 2 or math.prod(x.shape[:-1]) != 1 or jax.default_backend() != "gpu":
+  if (x.ndim < 2 or math.prod(x.shape[:-1]) != 1 or jax.default_backend() != "gpu"
+      or not _TWO_ROW_DECODE[0]):
     return jnp.einsum(spec, x, w, **kwargs)
   return jnp.einsum(spec, jnp.concatenate([x, x], axis=0), w, **kwargs)[:1]
 
