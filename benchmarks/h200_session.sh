@@ -185,9 +185,11 @@ for step in "$@"; do
       EL="python3 -m benchmarks.engine_loop --contexts=512 --lengths=0,4"
       SM="--target=smollm2-135m --dtype=float32 --batch_sizes=1,4"
       for n in 1 2 4 8; do
-        run "pick_sm_spd$n" $EL $SM --steps_per_dispatch=$n --output_dir="$OUT/pick_sm_spd$n"
+        b=1; [ $n = 1 ] || [ $n = 4 ] && b=1,4
+        run "pick_sm_spd$n" $EL $SM --batch_sizes=$b --steps_per_dispatch=$n \
+          --output_dir="$OUT/pick_sm_spd$n"
       done
-      run pick_sm_onerow $EL $SM --notwo_row_decode --output_dir="$OUT/pick_sm_onerow"
+      run pick_sm_onerow $EL $SM --batch_sizes=1 --notwo_row_decode --output_dir="$OUT/pick_sm_onerow"
       for n in 1 4; do
         run "pick_8b_spd$n" $EL --target=llama3-8b --dtype=bfloat16 --batch_sizes=1,16 \
           --attention_implementation=pallas_gpu,reference --steps_per_dispatch=$n \
