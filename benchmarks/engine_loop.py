@@ -99,7 +99,7 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                     new_tokens: int, attention_implementation, profile: bool,
                     layer_execution: str = "unrolled", meshes=("none",), num_layers=None,
                     drafter: str = "constant", draft: str | None = None,
-                    steps_per_dispatch: int = 1, top: int = 0, ops_dir: str | None = None,
+                    steps_per_dispatch: int = EngineConfig.steps_per_dispatch, top: int = 0, ops_dir: str | None = None,
                     log=print) -> pd.DataFrame:
   """One row per (num_layers, mesh, batch, context, L); see the module docstring.
   ``target`` is a ``SHAPES`` name (random weights) or a ``models.zoo`` model (real
@@ -303,7 +303,8 @@ _DRAFTER = flags.DEFINE_enum("drafter", "constant", list(DRAFTERS),
                               "device step; constant_host: on the host; draft_model: a "
                               "random-weight --draft model.")
 _DRAFT = flags.DEFINE_string("draft", "llama3.2-1b", "models.shapes draft of --drafter=draft_model.")
-_STEPS = flags.DEFINE_integer("steps_per_dispatch", 1, "Engine iterations per device call.")
+_STEPS = flags.DEFINE_integer("steps_per_dispatch", EngineConfig.steps_per_dispatch,
+                              "Engine iterations per device call.")
 _TOP = flags.DEFINE_integer("top_ops", 0, "With --profile: log this many top device ops "
                             "per engine step of each row's profiled run.")
 _TWO_ROW = flags.DEFINE_boolean("two_row_decode", True, "models.layers.project's two-row "

@@ -108,7 +108,7 @@ _PRECOMPILE_THREADS = flags.DEFINE_integer(
     "precompile_threads", None, "Compile threads of --precompile (default: the cores, at "
     "most 16; 1: one shape at a time).", lower_bound=1)
 _STEPS_PER_DISPATCH = flags.DEFINE_integer(
-    "steps_per_dispatch", 1, "Engine iterations per device call (plain decoding and fused "
+    "steps_per_dispatch", 2, "Engine iterations per device call (plain decoding and fused "
     "proposers such as ngram; EngineConfig.steps_per_dispatch).")
 _CACHE = flags.DEFINE_boolean(
     "compilation_cache", True, "JAX persistent compilation cache under $SPECJAX_CACHE.")
