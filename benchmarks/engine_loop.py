@@ -99,8 +99,7 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                     new_tokens: int, attention_implementation, profile: bool,
                     layer_execution: str = "unrolled", meshes=("none",), num_layers=None,
                     drafter: str = "constant", draft: str | None = None,
-                    steps_per_dispatch: int = EngineConfig.steps_per_dispatch, top: int = 0,
-                    ops_dir: str | None = None, fuse_projections: bool = False,
+                    steps_per_dispatch: int = EngineConfig.steps_per_dispatch, top: int = 0, ops_dir: str | None = None,
                     log=print) -> pd.DataFrame:
   """One row per (num_layers, mesh, batch, context, L); see the module docstring.
   ``target`` is a ``SHAPES`` name (random weights) or a ``models.zoo`` model (real
@@ -112,11 +111,8 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
   ``ops_dir``, writes every op unfolded to ``ops_dir/ops_b{batch}_ctx{context}_L{L}.csv``
   and the host tracks' events (``top_host_events``) to ``host_b{batch}_ctx{context}_L{L}.csv``.
 
-  ``fuse_projections``: ``specjax.steps.split_model(fuse=True)`` for target and draft.
-
   Raises:
-    ValueError: an unknown ``drafter``, or "draft_model" without ``draft``, or
-      ``fuse_projections`` with a mesh.
+    ValueError: an unknown ``drafter``, or "draft_model" without ``draft``.
   """
   if drafter not in DRAFTERS:
     raise ValueError(f"drafter={drafter!r} must be one of {DRAFTERS}")
@@ -128,21 +124,17 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
   for layers in (num_layers or [None]):
     for mesh_text in meshes:
       mesh = None if mesh_text == "none" else sharding.make_mesh(mesh_text)
-      if mesh is not None and fuse_projections:
-        raise ValueError(f"mesh={mesh_text!r}: fuse_projections is for unsharded runs only")
       if mesh is not None and mesh.shape["data"] != 1:
         raise ValueError(f"mesh={mesh_text!r}: the engine loop times one replica (data:1)")
       cfg, model = _target(target, dtype, layers, mesh)
-      split = split_model(model, unroll_layers=layer_execution == "unrolled",
-                          fuse=fuse_projections)
+      split = split_model(model, unroll_layers=layer_execution == "unrolled")
       del model  # the stacked copy (unrolled layers are their own arrays)
       if mesh is not None:
         split = sharding.shard_model(split, mesh)
       draft_split = None
       if drafter == "draft_model":
         _, draft_model = _target(draft, dtype, None, mesh)
-        draft_split = split_model(draft_model, unroll_layers=layer_execution == "unrolled",
-                                  fuse=fuse_projections)
+        draft_split = split_model(draft_model, unroll_layers=layer_execution == "unrolled")
         del draft_model
       df = _grid(cfg, split, mesh, bw, target=target, dtype=dtype, batch_sizes=batch_sizes,
                  contexts=contexts, lengths=lengths, new_tokens=new_tokens,
@@ -152,7 +144,6 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                  log=log)
       df.insert(3, "drafter", drafter if draft_split is None else f"draft_model:{draft}")
       df.insert(2, "num_layers", cfg.num_layers)
-      df["fuse_projections"] = fuse_projections
       frames.append(df)
       del split
   df = pd.concat(frames, ignore_index=True)
@@ -318,8 +309,6 @@ _TOP = flags.DEFINE_integer("top_ops", 0, "With --profile: log this many top dev
                             "per engine step of each row's profiled run.")
 _TWO_ROW = flags.DEFINE_boolean("two_row_decode", True, "models.layers.project's two-row "
                                 "GPU decode of one-row projections (off: plain one-row dots).")
-_FUSE = flags.DEFINE_boolean("fuse_projections", False, "One q/k/v and one gate/up GEMM per "
-                             "layer (models.llama.fuse_projections); not with --mesh.")
 _NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the target with "
                                 "(adds columns scaled to the shape's full layer count).")
 
@@ -336,7 +325,7 @@ def main(argv):
       profile=_PROFILE.value, layer_execution=_LAYERS.value, meshes=_MESHES.value,
       num_layers=[int(n) for n in _NUM_LAYERS.value] if _NUM_LAYERS.value else None,
       drafter=_DRAFTER.value, draft=_DRAFT.value, steps_per_dispatch=_STEPS.value,
-      top=_TOP.value, ops_dir=_OUT.value, fuse_projections=_FUSE.value)
+      top=_TOP.value, ops_dir=_OUT.value)
   os.makedirs(_OUT.value, exist_ok=True)
   df.to_csv(os.path.join(_OUT.value, "engine_loop.csv"), index=False)
   plots.engine_loop_figure(df, os.path.join(_OUT.value, "engine_loop.png"))

@@ -195,15 +195,6 @@ for step in "$@"; do
           --attention_implementation=pallas_gpu,reference --steps_per_dispatch=$n \
           --output_dir="$OUT/pick_8b_spd$n"
       done ;;
-    fuse_pick)  # one q/k/v and one gate/up GEMM per layer, SmolLM2 f32 (and 8B bf16) sizes
-      EL="python3 -m benchmarks.engine_loop --contexts=512 --lengths=0,4"
-      for fz in nofuse_projections fuse_projections; do
-        run "fz_sm_$fz" $EL --target=smollm2-135m --dtype=float32 --batch_sizes=1,4 --$fz \
-          --output_dir="$OUT/fz_sm_$fz"
-      done
-      run fz_8b_fuse $EL --target=llama3-8b --dtype=bfloat16 --batch_sizes=1 \
-        --attention_implementation=pallas_gpu,reference --fuse_projections \
-        --output_dir="$OUT/fz_8b_fuse" ;;
     smollm2_spd)  # steps per dispatch at SmolLM2 size, both attention back ends
       for impl in reference pallas_gpu,reference; do
         for n in 1 2 4 8; do

@@ -88,9 +88,6 @@ _CHAT = flags.DEFINE_boolean(
 _LAYERS = flags.DEFINE_enum(
     "layer_execution", "unrolled", list(LAYER_EXECUTIONS),
     "'unrolled' (fastest steps) or 'scan' (one lax.scan over the layers: faster compiles).")
-_FUSE = flags.DEFINE_boolean(
-    "fuse_projections", False, "One q/k/v and one gate/up GEMM per layer (fewer kernel "
-    "launches per step; models.llama.fuse_projections).")
 _PRECISION = flags.DEFINE_enum(
     "matmul_precision", "highest", list(MATMUL_PRECISIONS),
     "jax.default_matmul_precision for every pass (default 'highest': "
@@ -183,7 +180,6 @@ def config_from_flags() -> EvalConfig:
       warmup_tokens=_WARMUP_TOKENS.value or None,
       chat_template=_CHAT.value,
       layer_execution=_LAYERS.value,
-      fuse_projections=_FUSE.value,
       ignore_eos=_IGNORE_EOS.value,
       verify_implementation=_verify_implementation(_VERIFY.value),
       matmul_precision=_PRECISION.value,

@@ -160,9 +160,6 @@ class EvalConfig:
     layer_execution: "unrolled" (each layer its own weights; fastest steps, ~11 s XLA
       compile per step shape for SmolLM2 on a 2-core CPU) or "scan" (one ``lax.scan``
       over stacked layers; compiles several times faster, slower steps on CPU).
-    fuse_projections: one q/k/v and one gate/up GEMM per layer for target and draft
-      (``specjax.steps.split_model(fuse=True)``; fewer kernel launches per step, not with
-      a mesh). Recorded per row.
     ignore_eos: ``SamplingParams.ignore_eos`` of every request (EOS ids do not end
       generation: each request makes ``max_new_tokens``). None (default): True iff the
       target has no tokenizer (``random:`` models, which have no EOS), else False.
@@ -213,7 +210,6 @@ class EvalConfig:
   precompile_threads: int | None = None
   chat_template: bool = True
   layer_execution: str = "unrolled"
-  fuse_projections: bool = False
   ignore_eos: bool | None = None
   matmul_precision: str | None = "highest"
   max_num_batched_tokens: int = 512
@@ -261,8 +257,6 @@ class EvalConfig:
     if self.layer_execution not in LAYER_EXECUTIONS:
       raise ValueError(f"layer_execution={self.layer_execution!r} must be one of "
                        f"{LAYER_EXECUTIONS}")
-    if self.fuse_projections and self.mesh != "none":
-      raise ValueError(f"fuse_projections=True needs mesh='none', got mesh={self.mesh!r}")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
       raise ValueError(f"methods {unknown} are unknown; known methods: {sorted(METHODS)}")
@@ -482,10 +476,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   decode = None if tokenizer is None else tokenizer.decode
   requests = _make_requests(cfg, prompt_ids, prompts, ignore_eos)
   unroll = cfg.layer_execution == "unrolled"
-  fuse = cfg.fuse_projections
-  target_split = split_model(target.model, unroll_layers=unroll, fuse=fuse)
-  draft_split = (split_model(draft.model, unroll_layers=unroll, fuse=fuse)
-                 if draft is not None else None)
+  target_split = split_model(target.model, unroll_layers=unroll)
+  draft_split = split_model(draft.model, unroll_layers=unroll) if draft is not None else None
   t_loaded = time.perf_counter()
 
   device = jax.devices()[0]
@@ -509,7 +501,6 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
       "jax_version": jax.__version__,
       **sharding.describe(mesh, cfg.draft_sharding, target_split.config),
       "layer_execution": cfg.layer_execution,
-      "fuse_projections": cfg.fuse_projections,
       "matmul_precision": cfg.matmul_precision or "default",
       "input_len": cfg.input_len,
       "ignore_eos": ignore_eos,

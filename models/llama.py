@@ -56,8 +56,6 @@ __all__ = [
     "init_kv_caches",
     "kv_cache_heads",
     "unstack_layer_params",
-    "fuse_projections",
-    "FUSED_PROJECTIONS",
 ]
 
 
@@ -143,21 +141,6 @@ def _layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], bo
   return shapes
 
 
-# Fused projections (``fuse_projections``): name -> the parameters it concatenates on the
-# output axis, in order.
-FUSED_PROJECTIONS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
-
-
-def _layer_param_names(module: nnx.Module, cfg: ModelConfig) -> list[str]:
-  """The parameter names ``module`` (a layer or the stacked layers) holds: those of
-  ``_layer_param_shapes``, with ``FUSED_PROJECTIONS`` in place of their parts once fused."""
-  names = list(_layer_param_shapes(cfg))
-  for fused, parts in FUSED_PROJECTIONS.items():
-    if hasattr(module, fused):
-      names = [fused if n == parts[0] else n for n in names if n not in parts[1:]]
-  return names
-
-
 def _init_layer_params(module: nnx.Module, cfg: ModelConfig, rngs: nnx.Rngs, lead=()) -> None:
   """Sets one layer's parameters on ``module``, each with leading axes ``lead``."""
   dt = _dtype(cfg)
@@ -201,17 +184,9 @@ def _decoder_block(cfg: ModelConfig, layer: int | jax.Array, p: Mapping[str, jax
   """
   eps, p1 = cfg.rms_norm_eps, cfg.norm_plus_one
   h_in = rms_norm(x, p["attn_norm"], eps, p1)
-  if "qkv" in p:  # fuse_projections: one GEMM, split on its output axis
-    qkv = project("BTD,DE->BTE", h_in, p["qkv"])
-    nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    lead = qkv.shape[:2]
-    q = qkv[..., :nq].reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = qkv[..., nq:nq + nk].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = qkv[..., nq + nk:].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-  else:
-    q = project("BTD,DNH->BTNH", h_in, p["q"])
-    k = project("BTD,DKH->BTKH", h_in, p["k"])
-    v = project("BTD,DKH->BTKH", h_in, p["v"])
+  q = project("BTD,DNH->BTNH", h_in, p["q"])
+  k = project("BTD,DKH->BTKH", h_in, p["k"])
+  v = project("BTD,DKH->BTKH", h_in, p["v"])
   if cfg.attention_bias:
     q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
   if cfg.qk_norm:
@@ -261,13 +236,8 @@ def _decoder_block(cfg: ModelConfig, layer: int | jax.Array, p: Mapping[str, jax
     out = rms_norm(out, p["post_attn_norm"], eps, p1)
   x = x + out
   h_ffn = rms_norm(x, p["ffn_norm"], eps, p1)
-  if "gate_up" in p:
-    gate_up = project("BTD,DF->BTF", h_ffn, p["gate_up"])
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    gate = activation(cfg.hidden_act, gate)
-  else:
-    gate = activation(cfg.hidden_act, project("BTD,DF->BTF", h_ffn, p["gate"]))
-    up = project("BTD,DF->BTF", h_ffn, p["up"])
+  gate = activation(cfg.hidden_act, project("BTD,DF->BTF", h_ffn, p["gate"]))
+  up = project("BTD,DF->BTF", h_ffn, p["up"])
   out = project("BTF,FD->BTD", gate * up, p["down"])
   if cfg.sandwich_norms:
     out = rms_norm(out, p["post_ffn_norm"], eps, p1)
@@ -288,7 +258,7 @@ class DecoderLayer(nnx.Module):
 
   def weights(self) -> dict[str, jax.Array]:
     """This layer's parameter values by name."""
-    return {name: getattr(self, name)[...] for name in _layer_param_names(self, self.cfg)}
+    return {name: getattr(self, name)[...] for name in _layer_param_shapes(self.cfg)}
 
   def __call__(self, x, kv_pages, meta: AttentionMetadata, positions, implementation):
     """``x [B, T, D]``, one layer's ``kv_pages`` -> ``(x, kv_pages)`` (see ``_decoder_block``)."""
@@ -313,8 +283,7 @@ class StackedDecoderLayers(nnx.Module):
   def weights(self) -> dict[str, jax.Array | tuple[jax.Array, ...]]:
     """Parameter values by name: stacked arrays (leading axis ``num_layers``), or tuples
     of ``num_layers`` per-layer arrays after ``unstack_layer_params``."""
-    return {name: getattr(self, name).get_value()
-            for name in _layer_param_names(self, self.cfg)}
+    return {name: getattr(self, name).get_value() for name in _layer_param_shapes(self.cfg)}
 
   def __getitem__(self, i: int) -> DecoderLayer:
     """Layer ``i`` (negative counts from the end) as a detached ``DecoderLayer``."""
@@ -325,10 +294,6 @@ class StackedDecoderLayers(nnx.Module):
     i = int(i) % self.num_layers
     cfg = self.cfg
     layer = nnx.eval_shape(lambda: DecoderLayer(cfg, i, nnx.Rngs(0)))
-    for fused, parts in FUSED_PROJECTIONS.items():
-      if hasattr(self, fused):
-        for part in parts:
-          delattr(layer, part)
     for name, w in self.weights().items():
       setattr(layer, name, nnx.Param(w[i]))
     return layer
@@ -490,7 +455,7 @@ class Transformer(nnx.Module):
       return dataclasses.replace(meta, page_indices=table)
 
     stacked = self.layers.weights()
-    if isinstance(stacked["o"], (tuple, list)):
+    if isinstance(stacked["q"], (tuple, list)):
       # Unrolled (``unstack_layer_params``): each layer reads its own weight arrays.
       for layer in range(start, stop):
         p = {n: w[layer] for n, w in stacked.items()}
@@ -584,48 +549,6 @@ def unstack_layer_params(state: nnx.State) -> nnx.State:
         parts = tuple(value[i] for i in range(value.shape[0]))
       out["layers"][name] = var.replace(parts)
   return out
-
-
-def _concat_outputs(weights, lead: int) -> jax.Array:
-  """Weights ``[*lead_dims, D, *out]`` flattened to ``[*lead_dims, D, prod(out)]`` and
-  concatenated on that last axis (``lead`` = number of leading dims incl. D)."""
-  return jnp.concatenate([w.reshape(*w.shape[:lead], -1) for w in weights], axis=-1)
-
-
-def fuse_projections(graphdef, state: nnx.State) -> tuple[object, nnx.State]:
-  """Concatenates each layer's q / k / v weights into one ``qkv`` and gate / up into one
-  ``gate_up`` weight (``FUSED_PROJECTIONS``), so a layer makes 4 projection GEMMs instead
-  of 7. For launch-bound steps (a small model at batch 1 on a GPU: each GEMM costs a
-  kernel launch, not bytes); each output column is the same dot product as before, but
-  the GEMM's tiling may change its rounding.
-
-  Args:
-    graphdef, state: ``nnx.split(transformer)``, layer parameters stacked or (after
-      ``unstack_layer_params``) per layer.
-
-  Returns:
-    ``(graphdef, state)`` of a copy whose layers hold ``qkv: [L, D, (N + 2K) H]`` and
-    ``gate_up: [L, D, 2F]`` (or tuples of per-layer ``[D, ...]`` arrays). The fused
-    arrays are new: while the unfused model is alive, those weights are held twice.
-    Not for ``specjax.sharding`` meshes (their rules name the unfused weights).
-
-  Raises:
-    ValueError: the state has no decoder layers, or is already fused.
-  """
-  model = nnx.merge(graphdef, state)
-  layers = getattr(model, "layers", None)
-  if not isinstance(layers, StackedDecoderLayers) or hasattr(layers, "qkv"):
-    raise ValueError("fuse_projections needs a Transformer state with unfused layers")
-  for fused, parts in FUSED_PROJECTIONS.items():
-    values = [getattr(layers, part).get_value() for part in parts]
-    if isinstance(values[0], (tuple, list)):  # unstacked: per-layer [D, ...] arrays
-      value = tuple(_concat_outputs([w[i] for w in values], 1) for i in range(len(values[0])))
-    else:
-      value = _concat_outputs(values, 2)
-    setattr(layers, fused, nnx.Param(value))
-    for part in parts:
-      delattr(layers, part)
-  return nnx.split(model)
 
 
 def kv_cache_heads(cfg: ModelConfig, tp: TensorParallel | None = None) -> int:

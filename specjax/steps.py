@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.llama import fuse_projections, unstack_layer_params
+from models.llama import unstack_layer_params
 from pallas_kernels.paged_attention import copy_kv
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.method import DeviceRows
@@ -35,8 +35,7 @@ class SplitModel(NamedTuple):
   params: Any
 
 
-def split_model(model: nnx.Module, unroll_layers: bool = True,
-                fuse: bool = False) -> SplitModel:
+def split_model(model: nnx.Module, unroll_layers: bool = True) -> SplitModel:
   """Splits ``model`` once for the jitted steps.
 
   Args:
@@ -44,12 +43,8 @@ def split_model(model: nnx.Module, unroll_layers: bool = True,
     unroll_layers: give each layer its own weight arrays so the step runs its layers
       unrolled (faster steps, slower compiles; see ``models.llama.unstack_layer_params``);
       False keeps the stacked weights and the layer scan.
-    fuse: one q/k/v and one gate/up GEMM per layer (``models.llama.fuse_projections``:
-      fewer kernel launches; not with a ``specjax.sharding`` mesh).
   """
   graphdef, params = nnx.split(model)
-  if fuse:
-    graphdef, params = fuse_projections(graphdef, params)
   if unroll_layers:
     params = unstack_layer_params(params)
   return SplitModel(model.cfg, graphdef, params)
