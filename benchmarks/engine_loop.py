@@ -36,6 +36,7 @@ count: proportional scaling), marked by ``scaled`` ("linear" / "proportional").
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import dataclasses
 import os
@@ -52,6 +53,7 @@ from absl import app, flags
 from benchmarks.device_time import device_busy_seconds, top_host_events, top_ops
 from benchmarks.step_cost import _kv_bytes, _param_bytes
 from harness import plots
+from harness.evaluation import MATMUL_PRECISIONS
 from harness.synthetic import ConstantDrafter
 from models.layers import set_two_row_decode, two_row_decode
 from models.shapes import SHAPES
@@ -307,6 +309,9 @@ _STEPS = flags.DEFINE_integer("steps_per_dispatch", EngineConfig.steps_per_dispa
                               "Engine iterations per device call.")
 _TOP = flags.DEFINE_integer("top_ops", 0, "With --profile: log this many top device ops "
                             "per engine step of each row's profiled run.")
+_PRECISION = flags.DEFINE_enum(
+    "matmul_precision", None, list(MATMUL_PRECISIONS), "jax.default_matmul_precision "
+    "around the whole run (unset: JAX's default; experiments.evaluate uses 'highest').")
 _TWO_ROW = flags.DEFINE_boolean("two_row_decode", True, "models.layers.project's two-row "
                                 "GPU decode of one-row projections (off: plain one-row dots).")
 _NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the target with "
@@ -318,7 +323,19 @@ def main(argv):
   enable_compilation_cache()
   set_two_row_decode(_TWO_ROW.value)
   impl = tuple(_IMPL.value)
-  df = run_engine_loop(
+  precision = (jax.default_matmul_precision(_PRECISION.value) if _PRECISION.value
+               else contextlib.nullcontext())
+  with precision:
+    df = _run(impl)
+  df["matmul_precision"] = _PRECISION.value or "default"
+  os.makedirs(_OUT.value, exist_ok=True)
+  df.to_csv(os.path.join(_OUT.value, "engine_loop.csv"), index=False)
+  plots.engine_loop_figure(df, os.path.join(_OUT.value, "engine_loop.png"))
+  print(df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+
+
+def _run(impl) -> pd.DataFrame:
+  return run_engine_loop(
       target=_TARGET.value, dtype=_DTYPE.value, batch_sizes=[int(b) for b in _BATCH.value],
       contexts=[int(c) for c in _CTX.value], lengths=[int(v) for v in _L.value],
       new_tokens=_NEW.value, attention_implementation=impl[0] if len(impl) == 1 else impl,
@@ -326,10 +343,6 @@ def main(argv):
       num_layers=[int(n) for n in _NUM_LAYERS.value] if _NUM_LAYERS.value else None,
       drafter=_DRAFTER.value, draft=_DRAFT.value, steps_per_dispatch=_STEPS.value,
       top=_TOP.value, ops_dir=_OUT.value)
-  os.makedirs(_OUT.value, exist_ok=True)
-  df.to_csv(os.path.join(_OUT.value, "engine_loop.csv"), index=False)
-  plots.engine_loop_figure(df, os.path.join(_OUT.value, "engine_loop.png"))
-  print(df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
 
 if __name__ == "__main__":

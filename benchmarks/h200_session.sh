@@ -195,6 +195,12 @@ for step in "$@"; do
           --attention_implementation=pallas_gpu,reference --steps_per_dispatch=$n \
           --output_dir="$OUT/pick_8b_spd$n"
       done ;;
+    smollm2_precision)  # the evaluation's 'highest' f32 matmuls vs JAX's default, SmolLM2 step
+      EL="python3 -m benchmarks.engine_loop --target=smollm2-135m --dtype=float32 --batch_sizes=1
+        --contexts=512 --lengths=0,4 --top_ops=${TOP_OPS:-20}"
+      for p in default highest; do
+        run "sm_prec_$p" $EL --matmul_precision=$p --output_dir="$OUT/sm_prec_$p"
+      done ;;
     smollm2_spd)  # steps per dispatch at SmolLM2 size, both attention back ends
       for impl in reference pallas_gpu,reference; do
         for n in 1 2 4 8; do
