@@ -14,7 +14,7 @@ import re
 __all__ = ["device_busy_seconds", "top_host_events", "top_ops"]
 
 
-def _device_events(trace_dir: str, host: bool = False) -> list[dict]:
+def _track_events(trace_dir: str, host: bool = False) -> list[dict]:
   """The complete ("X") events on the device (GPU/TPU) tracks of the newest trace (with
   ``host``: on every other track, the host threads)."""
   files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
@@ -38,7 +38,7 @@ def device_busy_seconds(trace_dir: str) -> float:
     FileNotFoundError: no ``*.trace.json.gz`` under ``trace_dir``.
     ValueError: the trace has no device track (e.g. a CPU-only run).
   """
-  spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in _device_events(trace_dir))
+  spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in _track_events(trace_dir))
   busy, end = 0.0, float("-inf")
   for s, t in spans:
     if t <= end:
@@ -54,7 +54,7 @@ def top_ops(trace_dir: str, reps: int, fold: bool = True) -> list[tuple[str, flo
   ``fold`` numbered suffixes (``fusion.12``) are folded into one name. Raises as
   ``device_busy_seconds``."""
   total, calls = collections.Counter(), collections.Counter()
-  for e in _device_events(trace_dir):
+  for e in _track_events(trace_dir):
     name = str(e.get("name", ""))
     if fold:
       name = re.sub(r"\.\d+$", "", name)
@@ -70,7 +70,7 @@ def top_host_events(trace_dir: str, reps: int) -> list[tuple[str, float, int]]:
   also inside its parent's), the totals divided by ``reps`` steps; numbered suffixes are
   folded. Raises as ``device_busy_seconds``."""
   total, calls = collections.Counter(), collections.Counter()
-  for e in _device_events(trace_dir, host=True):
+  for e in _track_events(trace_dir, host=True):
     name = re.sub(r"\.\d+$", "", str(e.get("name", "")))
     total[name] += e.get("dur", 0)
     calls[name] += 1

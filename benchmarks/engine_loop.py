@@ -101,8 +101,8 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                     new_tokens: int, attention_implementation, profile: bool,
                     layer_execution: str = "unrolled", meshes=("none",), num_layers=None,
                     drafter: str = "constant", draft: str | None = None,
-                    steps_per_dispatch: int = EngineConfig.steps_per_dispatch, top: int = 0, ops_dir: str | None = None,
-                    log=print) -> pd.DataFrame:
+                    steps_per_dispatch: int = EngineConfig.steps_per_dispatch, top: int = 0,
+                    ops_dir: str | None = None, log=print) -> pd.DataFrame:
   """One row per (num_layers, mesh, batch, context, L); see the module docstring.
   ``target`` is a ``SHAPES`` name (random weights) or a ``models.zoo`` model (real
   weights); ``meshes`` holds "none" and/or ``specjax.sharding.parse_mesh`` strings;

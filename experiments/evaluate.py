@@ -108,8 +108,9 @@ _PRECOMPILE_THREADS = flags.DEFINE_integer(
     "precompile_threads", None, "Compile threads of --precompile (default: the cores, at "
     "most 16; 1: one shape at a time).", lower_bound=1)
 _STEPS_PER_DISPATCH = flags.DEFINE_integer(
-    "steps_per_dispatch", 2, "Engine iterations per device call (plain decoding and fused "
-    "proposers such as ngram; EngineConfig.steps_per_dispatch).")
+    "steps_per_dispatch", EvalConfig.steps_per_dispatch, "Engine iterations per device "
+    "call (plain decoding and fused proposers such as ngram; "
+    "EngineConfig.steps_per_dispatch).")
 _CACHE = flags.DEFINE_boolean(
     "compilation_cache", True, "JAX persistent compilation cache under $SPECJAX_CACHE.")
 _SLO_TTFT = flags.DEFINE_float(

@@ -213,7 +213,7 @@ class EvalConfig:
   ignore_eos: bool | None = None
   matmul_precision: str | None = "highest"
   max_num_batched_tokens: int = 512
-  steps_per_dispatch: int = 2
+  steps_per_dispatch: int = EngineConfig.steps_per_dispatch
   mesh: str = "none"
   draft_sharding: str = "replicated"
   compilation_cache: bool = True
