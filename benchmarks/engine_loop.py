@@ -55,7 +55,12 @@ from benchmarks.step_cost import _kv_bytes, _param_bytes
 from harness import plots
 from harness.evaluation import MATMUL_PRECISIONS
 from harness.synthetic import ConstantDrafter
-from models.layers import set_two_row_decode, two_row_decode
+from models.layers import (
+    row_reduce_max_rows,
+    set_row_reduce_max_rows,
+    set_two_row_decode,
+    two_row_decode,
+)
 from models.shapes import SHAPES
 from specjax import sharding
 from specjax.compile_cache import enable_compilation_cache
@@ -260,7 +265,7 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
             device=jax.devices()[0].device_kind, backend=jax.default_backend(),
             attention_implementation=str(attention_implementation),
             layer_execution=layer_execution, steps_per_dispatch=steps_per_dispatch,
-            two_row_decode=two_row_decode(),
+            two_row_decode=two_row_decode(), row_reduce_max_rows=row_reduce_max_rows(),
             runs_on=method.capabilities().runs_on, jax_version=jax.__version__, **placement))
         log(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                      for k, v in rows[-1].items() if k in (
@@ -314,6 +319,9 @@ _PRECISION = flags.DEFINE_enum(
     "around the whole run (unset: JAX's default; experiments.evaluate uses 'highest').")
 _TWO_ROW = flags.DEFINE_boolean("two_row_decode", True, "models.layers.project's two-row "
                                 "GPU decode of one-row projections (off: plain one-row dots).")
+_ROW_REDUCE = flags.DEFINE_integer(
+    "row_reduce_max_rows", 16, "models.layers.project: full-f32 GPU projections of at most "
+    "this many rows run as multiply + reduce (0: always a dot).")
 _NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the target with "
                                 "(adds columns scaled to the shape's full layer count).")
 
@@ -322,6 +330,7 @@ def main(argv):
   del argv
   enable_compilation_cache()
   set_two_row_decode(_TWO_ROW.value)
+  set_row_reduce_max_rows(_ROW_REDUCE.value)
   impl = tuple(_IMPL.value)
   precision = (jax.default_matmul_precision(_PRECISION.value) if _PRECISION.value
                else contextlib.nullcontext())

@@ -201,6 +201,18 @@ for step in "$@"; do
       for p in default highest; do
         run "sm_prec_$p" $EL --matmul_precision=$p --output_dir="$OUT/sm_prec_$p"
       done ;;
+    smollm2_sync)  # a host drafter's synchronous SmolLM2 step (constant_host) at the
+      # evaluation's precision, with its device ops and host events
+      run sm_sync python3 -m benchmarks.engine_loop --target=smollm2-135m --dtype=float32 \
+        --batch_sizes=1 --contexts=512 --lengths=0,4 --drafter=constant_host \
+        --matmul_precision=highest --top_ops=${TOP_OPS:-20} --output_dir="$OUT/sm_sync" ;;
+    row_reduce)  # full-f32 projections as multiply + reduce (models.layers.rows_reduce)
+      for spec in ${ROW_REDUCE_RUNS:-0:1,4 32:1,4}; do
+        run "sm_rr${spec%%:*}" python3 -m benchmarks.engine_loop --target=smollm2-135m \
+          --dtype=float32 --batch_sizes=${spec#*:} --contexts=512 --lengths=0,4 \
+          --matmul_precision=highest --row_reduce_max_rows=${spec%%:*} \
+          --output_dir="$OUT/sm_rr${spec%%:*}"
+      done ;;
     smollm2_spd)  # steps per dispatch at SmolLM2 size, both attention back ends
       for impl in reference pallas_gpu,reference; do
         for n in 1 2 4 8; do

@@ -9,9 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "activation", "project",
-           "set_two_row_decode", "two_row_decode"]
+           "row_reduce_max_rows", "set_row_reduce_max_rows", "set_two_row_decode",
+           "two_row_decode"]
 
 _TWO_ROW_DECODE = [True]
+# Full-f32 GPU projections of at most this many rows run as multiply + reduce (0: off).
+_ROW_REDUCE_MAX_ROWS = [16]
+_ROW_REDUCE_MAX_WEIGHT = 1 << 22  # elements: the per-layer weights, not an LM head
+_FULL_F32 = ("highest", "float32")
 
 
 def set_two_row_decode(enabled: bool) -> None:
@@ -25,6 +30,59 @@ def two_row_decode() -> bool:
   return _TWO_ROW_DECODE[0]
 
 
+def set_row_reduce_max_rows(max_rows: int) -> None:
+  """Sets the most rows of a full-f32 GPU projection that ``project`` computes as a
+  multiply + reduce (0: never; default 16), for functions traced after the call (a
+  benchmark knob: ``benchmarks.engine_loop --row_reduce_max_rows``).
+
+  Raises:
+    ValueError: ``max_rows`` < 0.
+  """
+  if int(max_rows) < 0:
+    raise ValueError(f"max_rows={max_rows} must be >= 0 (0 turns the row reduce off)")
+  _ROW_REDUCE_MAX_ROWS[0] = int(max_rows)
+
+
+def row_reduce_max_rows() -> int:
+  """``set_row_reduce_max_rows``'s current value."""
+  return _ROW_REDUCE_MAX_ROWS[0]
+
+
+def _full_f32(precision) -> bool:
+  """Whether a dot at ``precision`` (None: JAX's current default) is full f32."""
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+  if isinstance(precision, (tuple, list)):
+    return all(_full_f32(p) for p in precision)
+  return precision is not None and str(precision).lower().removeprefix("precision.") in _FULL_F32
+
+
+def rows_reduce(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """``jnp.einsum(spec, x, w)`` as an f32 multiply + sum over the contracted axis.
+
+  ``spec`` must contract x's last axis with one axis of ``w`` and put x's leading axes,
+  then w's other axes in their order, in the output (e.g. ``"BTD,DNH->BTNH"``,
+  ``"...D,DV->...V"``). Shapes: ``x [..., D]``, ``w`` with D on that axis; returns
+  ``f32[..., *w_other]``.
+
+  Raises:
+    ValueError: a spec of another form.
+  """
+  ins, out = spec.replace(" ", "").split("->")
+  xs, ws = ins.split(",")
+  c = xs[-1]
+  others = ws.replace(c, "")
+  if ws.count(c) != 1 or c in out or out != xs[:-1] + others:
+    raise ValueError(f"spec={spec!r} must contract x's last axis with one axis of w and "
+                     "output x's leading axes, then w's other axes")
+  d = x.shape[-1]
+  wt = jnp.moveaxis(w, ws.index(c), 0).reshape(d, -1).astype(jnp.float32)
+  x2 = x.reshape(-1, d).astype(jnp.float32)
+  y = jnp.sum(x2[:, :, None] * wt[None], axis=1)
+  w_other = tuple(n for i, n in enumerate(w.shape) if i != ws.index(c))
+  return y.reshape(*x.shape[:-1], *w_other)
+
+
 def project(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
   """``jnp.einsum(spec, x, w, **kwargs)`` for a weight projection of ``x: [..., D]``.
 
@@ -34,7 +92,19 @@ def project(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
   the Llama-3.1-8B-shape bf16 step at batch 1, context 512 took 8.41 ms pipelined with
   one query row and 4.74 ms with two (``experiments.bench_step``, session 4). Other
   backends get the plain einsum (on XLA CPU two rows cost more than one).
+
+  On GPU a full-f32 projection (f32 ``x`` and ``w`` at "highest" / "float32" precision,
+  from ``precision=`` or ``jax.default_matmul_precision``) of at most
+  ``row_reduce_max_rows()`` rows and a per-layer-sized weight (<= 2**22 elements) runs as
+  a multiply + reduce (``rows_reduce``): XLA lowers such dots to f32 FMA GEMM kernels
+  (or cuBLAS SGEMM + split-K) that took 3x the TF32 kernels' time at SmolLM2-135M size,
+  while the reduce reads the weight once (``docs/gpu/device_resident_loop``).
   """
+  rows = math.prod(x.shape[:-1]) if x.ndim >= 2 else 0
+  if (jax.default_backend() == "gpu" and 0 < rows <= _ROW_REDUCE_MAX_ROWS[0]
+      and x.dtype == jnp.float32 and w.dtype == jnp.float32
+      and w.size <= _ROW_REDUCE_MAX_WEIGHT and _full_f32(kwargs.get("precision"))):
+    return rows_reduce(spec, x, w)
   if (x.ndim < 2 or math.prod(x.shape[:-1]) != 1 or jax.default_backend() != "gpu"
       or not _TWO_ROW_DECODE[0]):
     return jnp.einsum(spec, x, w, **kwargs)

@@ -44,6 +44,7 @@ def test_project_pads_only_single_rows_on_gpu(monkeypatch):
 
   monkeypatch.setattr(layers.jnp, "einsum", spy)
   monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(layers, "_ROW_REDUCE_MAX_ROWS", [0])  # the dot path only
   w = jnp.ones((8, 4))
   layers.project("BTD,DF->BTF", jnp.ones((1, 1, 8)), w)  # batch-1 decode: two rows
   layers.project("BTD,DF->BTF", jnp.ones((1, 3, 8)), w)  # verify: unchanged
@@ -52,3 +53,56 @@ def test_project_pads_only_single_rows_on_gpu(monkeypatch):
   monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
   layers.project("BTD,DF->BTF", jnp.ones((1, 1, 8)), w)  # CPU: unchanged
   assert seen == [(2, 1, 8), (1, 3, 8), (2, 1, 8), (8,), (1, 1, 8)]
+
+
+ROWS_SPECS = [  # multi-row shapes of the same specs
+    ("BTD,DNH->BTNH", (2, 3, 8), (8, 2, 4)),
+    ("BTE,ED->BTD", (1, 5, 8), (8, 6)),
+    ("BTD,DF->BTF", (4, 1, 8), (8, 16)),
+    ("...D,VD->...V", (3, 2, 8), (32, 8)),
+    ("...D,DV->...V", (5, 8), (8, 32)),
+]
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape", ROWS_SPECS + SPECS)
+def test_rows_reduce_matches_einsum(spec, x_shape, w_shape):
+  kx, kw = jax.random.split(jax.random.key(1))
+  x = jax.random.normal(kx, x_shape, jnp.float32)
+  w = jax.random.normal(kw, w_shape, jnp.float32)
+  want = jnp.einsum(spec, x, w, precision="highest")
+  got = layers.rows_reduce(spec, x, w)
+  assert got.shape == want.shape and got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_reduce_rejects_other_specs():
+  with pytest.raises(ValueError, match="spec='BTD,DF->BFT'"):
+    layers.rows_reduce("BTD,DF->BFT", jnp.ones((1, 1, 8)), jnp.ones((8, 4)))
+
+
+def test_project_row_reduce_only_for_small_full_f32_on_gpu(monkeypatch):
+  used = []
+  real = layers.rows_reduce
+  monkeypatch.setattr(layers, "rows_reduce", lambda *a: used.append(a[1].shape) or real(*a))
+  monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+  w = jnp.ones((8, 4))
+  x = jnp.ones((1, 5, 8))
+  layers.project("BTD,DF->BTF", x, w, precision="highest")  # full f32, 5 rows: reduce
+  with jax.default_matmul_precision("float32"):
+    layers.project("BTD,DF->BTF", x, w)  # from the context: reduce
+  with jax.default_matmul_precision("default"):
+    layers.project("BTD,DF->BTF", x, w)  # JAX's default precision: a dot
+  layers.project("BTD,DF->BTF", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                 precision="highest")  # bf16: a dot
+  layers.project("BTD,DF->BTF", jnp.ones((1, 17, 8)), w, precision="highest")  # 17 rows
+  layers.project("BTD,DF->BTF", x, jnp.ones((8, (1 << 19) + 1)), precision="highest")  # big w
+  monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
+  layers.project("BTD,DF->BTF", x, w, precision="highest")  # CPU: a dot
+  assert used == [(1, 5, 8), (1, 5, 8)]
+  monkeypatch.setattr(layers, "_ROW_REDUCE_MAX_ROWS", [16])
+  layers.set_row_reduce_max_rows(0)
+  monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+  layers.project("BTD,DF->BTF", x, w, precision="highest")  # off
+  assert len(used) == 2 and layers.row_reduce_max_rows() == 0
+  with pytest.raises(ValueError, match="max_rows=-1"):
+    layers.set_row_reduce_max_rows(-1)
