@@ -332,7 +332,8 @@ class DraftModel(Method):
         jnp.zeros(runtime.max_num_seqs, jnp.int32))
     return params, state
 
-  def prefill_device(self, params: DraftParams, state: DraftDeviceState, tokens, meta):
+  def prefill_device(self, params: DraftParams, state: DraftDeviceState, tokens, meta,
+                     hidden=()):
     """Writes the draft KV of the target's prefill chunk (same pages and positions)."""
     kv, _, _ = forward_step(params.graphdef, params.params, state.kv_caches, tokens, meta,
                             np.zeros((tokens.shape[0], 1), np.int32),

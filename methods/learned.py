@@ -23,10 +23,18 @@ Drafting respects the rows' budgets (``ProposeContext.budgets``): a chain step r
 and depth ``min(k, max(budgets))`` (its best nodes, so the same first nodes as the full
 tree), and a step where every budget is 0 runs no head at all.
 
-Runs on the host-called path (``Capabilities.runs_on`` "device"), one synchronous engine
-step each: the feature window is kept on the host, so every step reads the target's
-hidden rows back and sends the window to the head's jitted call. Not yet fused: device
-features per decode slot (``specjax.slots``) would make these heads asynchronous too.
+Chains (``tree_nodes == 0``, no ``stop_entropy``) run fused by default
+(``Capabilities.runs_on`` "fused"): the features live on the device in a paged pool
+beside the target's KV (``FeaturePool``: position p of a row at the row's KV page
+``p // page_size``, offset ``p % page_size``), written from the target's hidden states
+of every prefill chunk (``prefill_device``) and of every engine iteration
+(``observe_device``: all L + 1 rows, as the KV; a rejected draft's row is rewritten
+before its position is committed), and ``propose_device`` gathers each row's window from
+the page table and runs ``head.draft`` inside the engine's one device call, so these
+heads iterate asynchronously like AR. ``fused=False``, trees and SVIP's
+``stop_entropy`` take the host-called path (``Capabilities.runs_on`` "device"), one
+synchronous engine step each: the feature window is kept on the host, so every step
+reads the target's hidden rows back and sends the window to the head's jitted call.
 """
 
 from __future__ import annotations
@@ -43,7 +51,14 @@ from flax import nnx
 
 from methods.draft_model import entropy_nats
 from models.heads import HeadConfig, load_head, make_head
-from specjax.method import Capabilities, Draft, Method, PrefillResult, VerifyResult
+from specjax.method import (
+    Capabilities,
+    DeviceDraft,
+    Draft,
+    Method,
+    PrefillResult,
+    VerifyResult,
+)
 from specjax.sampling import (
   STREAM_DRAFT,
   is_greedy,
@@ -52,7 +67,8 @@ from specjax.sampling import (
   sample_from_probs,
 )
 
-__all__ = ["LearnedHeadMethod", "head_draft_step", "head_tree_step"]
+__all__ = ["FeaturePool", "HeadParams", "LearnedHeadMethod", "feature_window",
+           "head_draft_step", "head_tree_step", "write_features"]
 
 
 @functools.partial(
@@ -80,6 +96,15 @@ def head_draft_step(head_graphdef, head_state, target_graphdef, target_params, t
     ``(tokens i32[B, num_steps], probs f32[B, num_steps, V] or None, num_tokens i32[B])``
     (``num_tokens`` = num_steps for every row without ``stop_entropy``).
   """
+  return _head_draft(head_graphdef, head_state, target_graphdef, target_params, tokens, feats,
+                     num_valid, positions, temperature, top_k, top_p, keys, draft_positions,
+                     num_steps=num_steps, all_greedy=all_greedy, stop_entropy=stop_entropy)
+
+
+def _head_draft(head_graphdef, head_state, target_graphdef, target_params, tokens, feats,
+                num_valid, positions, temperature, top_k, top_p, keys, draft_positions, *,
+                num_steps, all_greedy, stop_entropy=None):
+  """``head_draft_step``'s body (pure; traced by it and by the fused proposer)."""
   head = nnx.merge(head_graphdef, head_state)
   target = nnx.merge(target_graphdef, target_params)
 
@@ -114,6 +139,102 @@ def head_tree_step(head_graphdef, head_state, target_graphdef, target_params, to
                          num_nodes)
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadParams:
+  """A fused head's params: the head's and the target's arrays plus their static
+  graphdefs (pytree metadata)."""
+
+  head_state: object
+  target_params: object
+  head_graphdef: object
+  target_graphdef: object
+  window: int
+
+
+jax.tree_util.register_dataclass(HeadParams, data_fields=["head_state", "target_params"],
+                                 meta_fields=["head_graphdef", "target_graphdef", "window"])
+
+
+@dataclasses.dataclass(frozen=True)
+class FeaturePool:
+  """Target features on the device, paged like the target's KV: ``feats [num_pages *
+  page_size, F]`` (the target's dtype), position p of a row at
+  ``page_indices[p // page_size] * page_size + p % page_size``; ``page_size`` static."""
+
+  feats: jax.Array
+  page_size: int
+
+
+jax.tree_util.register_dataclass(FeaturePool, data_fields=["feats"], meta_fields=["page_size"])
+
+
+def _feature_rows(hidden: tuple) -> jax.Array:
+  """Tuple of ``[B, T, D]`` -> ``[B, T, F]`` (concatenated in layer order)."""
+  return jnp.concatenate(hidden, axis=-1) if len(hidden) > 1 else hidden[0]
+
+
+def _flat_index(page_indices, positions, page_size: int, size: int):
+  """``i32[B, T]`` pool rows of ``positions i32[B, T]`` under the rows' page tables;
+  ``size`` (out of range) where the position is < 0 or its page is missing."""
+  pages = jnp.take_along_axis(page_indices, jnp.maximum(positions, 0) // page_size, axis=1,
+                              mode="fill", fill_value=-1)
+  ok = (positions >= 0) & (pages >= 0)
+  return jnp.where(ok, pages * page_size + positions % page_size, size)
+
+
+def write_features(feats: jax.Array, page_indices, kv_lens, q_lens, hidden: tuple, *,
+                   page_size: int) -> jax.Array:
+  """Writes the target features of a forward into a ``FeaturePool.feats`` array.
+
+  Args:
+    feats: ``[num_pages * page_size, F]``.
+    page_indices: ``i32[B, W]`` the rows' page tables (-1: no page; dropped).
+    kv_lens, q_lens: ``i32[B]``: row b's ``hidden`` row t is position
+      ``kv_lens[b] - q_lens[b] + t``, for ``t < q_lens[b]`` (later rows dropped).
+    hidden: tuple of ``[B, T, D]`` (concatenated into F in layer order).
+    page_size: tokens per page (static).
+
+  Returns:
+    The updated ``feats`` (the rows' positions overwritten).
+  """
+  rows = _feature_rows(hidden)
+  t = jnp.arange(rows.shape[1], dtype=jnp.int32)[None]
+  positions = (kv_lens - q_lens)[:, None] + t
+  positions = jnp.where(t < q_lens[:, None], positions, -1)
+  idx = _flat_index(page_indices, positions, page_size, feats.shape[0])
+  return feats.at[idx.reshape(-1)].set(rows.reshape(-1, rows.shape[-1]).astype(feats.dtype),
+                                       mode="drop")
+
+
+_write_features_step = jax.jit(write_features, static_argnames=("page_size",),
+                               donate_argnames=("feats",))
+
+
+def feature_window(feats: jax.Array, page_indices, tokens, num_tokens, window: int, *,
+                   page_size: int):
+  """Each row's head window, right-aligned as ``head.draft`` takes it (the host path's
+  layout): slot s pairs feature ``f_p`` with token ``x_{p+1}``, p = m - 1 - window + s
+  for m = ``num_tokens[b]`` (slot ``window - 1``: ``f_{m-2}`` with the pending token).
+
+  Args:
+    feats: ``[num_pages * page_size, F]``; page_indices ``i32[B, W]``; tokens
+      ``i32[B, M]`` (position p at column p); num_tokens ``i32[B]``.
+
+  Returns:
+    ``(tokens i32[B, window], feats f32[B, window, F], num_valid i32[B] (>= 1),
+    positions i32[B] = m - 2)``; slots before the first real one hold zeros.
+  """
+  m = num_tokens
+  p = (m - 1 - window)[:, None] + jnp.arange(window, dtype=jnp.int32)[None]
+  real = p >= 0
+  idx = _flat_index(page_indices, jnp.where(real, p, -1), page_size, feats.shape[0])
+  f = jnp.take(feats, idx, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+  toks = jnp.take_along_axis(tokens, jnp.clip(p + 1, 0, tokens.shape[1] - 1), axis=1)
+  toks = jnp.where(real, toks, 0)
+  num_valid = jnp.clip(m - 1, 1, window).astype(jnp.int32)
+  return toks, f, num_valid, (m - 2).astype(jnp.int32)
+
+
 @dataclasses.dataclass
 class _State:
   target: object  # SplitModel
@@ -145,6 +266,9 @@ class LearnedHeadMethod(Method):
     tree_branching: children per expanded tree node (top-k of the head).
     stop_entropy: None, or (chains only; SVIP, ``methods.svip``) a row stops after the
       first draft whose untempered head distribution has entropy above this many nats.
+    fused: chains without ``stop_entropy`` draft inside the engine's device step from
+      device features (the module docstring); False: the host-called path (one
+      synchronous step each; the test oracle of the fused path).
   """
 
   kind: ClassVar[str]
@@ -156,8 +280,12 @@ class LearnedHeadMethod(Method):
   tree_nodes: int = 0
   tree_branching: int = 4
   stop_entropy: float | None = None
+  fused: bool = True
 
   def __post_init__(self):
+    if not isinstance(self.fused, bool):
+      raise ValueError(f"fused={self.fused!r} must be True (chains draft in the engine's "
+                       "device step) or False (host-called)")
     if self.stop_entropy is not None and (self.tree_nodes or not self.stop_entropy >= 0):
       raise ValueError(f"stop_entropy={self.stop_entropy} must be None, or >= 0 (nats) with "
                        f"chain drafting (tree_nodes={self.tree_nodes} must be 0)")
@@ -212,8 +340,13 @@ class LearnedHeadMethod(Method):
     layers = (self._saved_config().feature_layers if self.head_path is not None
               else self.feature_layers)
     tree = self.tree_nodes > 0
-    return Capabilities(runs_on="device", emits_draft_probs=not tree,
+    fused = self.fused and not tree and self.stop_entropy is None
+    return Capabilities(runs_on="fused" if fused else "device", emits_draft_probs=not tree,
                         target_hidden_layers=layers, tree=tree)
+
+  def host_capabilities(self) -> Capabilities:
+    """Its ``propose`` (called by a composite method) is the host-called device path."""
+    return dataclasses.replace(self.capabilities(), runs_on="device")
 
   def head_config(self, target_config) -> HeadConfig:
     """Config of the random head built when ``head_path`` is None."""
@@ -240,6 +373,44 @@ class LearnedHeadMethod(Method):
     graphdef, state = nnx.split(head)
     return _State(runtime.target, graphdef, state, head.cfg.window, head.cfg.feature_dim,
                   {}, {})
+
+  # ---------------------------------------------------------------- fused path
+  def init_device(self, runtime) -> tuple[HeadParams, FeaturePool]:
+    """The head and target arrays, and an empty feature pool in the target's dtype."""
+    head = self.build_head(runtime)
+    graphdef, state = nnx.split(head)
+    target = runtime.target
+    params = HeadParams(state, target.params, graphdef, target.graphdef, head.cfg.window)
+    feats = jnp.zeros((runtime.num_pages * runtime.page_size, head.cfg.feature_dim),
+                      jnp.dtype(target.config.dtype))
+    return params, FeaturePool(feats, runtime.page_size)
+
+  def prefill_device(self, params, state: FeaturePool, tokens, meta, hidden=()):
+    """Writes the prefill chunk's features (its hidden rows) into the pool."""
+    return FeaturePool(_write_features_step(state.feats, meta.page_indices, meta.kv_lens,
+                                            meta.q_lens, tuple(hidden),
+                                            page_size=state.page_size), state.page_size)
+
+  def observe_device(self, params, state: FeaturePool, rows, hidden, meta):
+    """Writes the iteration's L + 1 hidden rows into the pool (positions of its KV)."""
+    return FeaturePool(write_features(state.feats, meta.page_indices, meta.kv_lens,
+                                      meta.q_lens, tuple(hidden), page_size=state.page_size),
+                       state.page_size)
+
+  def propose_device(self, params: HeadParams, state: FeaturePool, rows, *, all_greedy):
+    """k head steps for every row from its device window (``feature_window``), as the
+    host path's ``head_draft_step``; rows with one committed token (no feature yet)
+    draft nothing."""
+    toks, feats, num_valid, positions = feature_window(
+        state.feats, rows.page_indices, rows.tokens, rows.num_tokens, params.window,
+        page_size=state.page_size)
+    out, probs, _ = _head_draft(
+        params.head_graphdef, params.head_state, params.target_graphdef, params.target_params,
+        toks, feats, num_valid, positions, rows.temperature, rows.top_k, rows.top_p, rows.keys,
+        rows.num_tokens, num_steps=self.k, all_greedy=all_greedy)
+    num = jnp.where(rows.num_tokens >= 2, rows.budgets, 0).astype(jnp.int32)
+    out = jnp.where(jnp.arange(self.k)[None] < num[:, None], out, -1)
+    return state, DeviceDraft(out, num, probs)
 
   # ---------------------------------------------------------------- features
   @staticmethod

@@ -238,7 +238,8 @@ class Engine:
         implementation=cfg.attention_implementation,
     )
     if self.fused:  # e.g. a draft model fills its own KV with the same chunk
-      self._pstate = self.method.prefill_device(self._pparams, self._pstate, tokens, meta)
+      self._pstate = self.method.prefill_device(self._pparams, self._pstate, tokens, meta,
+                                                tuple(hidden))
     jax.block_until_ready(logits)
     t1 = time.perf_counter()
     metrics.prefill_s += t1 - t0
@@ -250,7 +251,7 @@ class Engine:
     metrics.prefill_calls.append(int(q_lens.sum()))
     for st, _, e in chunks:
       st.num_computed = e
-    if self.caps.target_hidden_layers:
+    if self.caps.target_hidden_layers and not self.fused:
       method_state = self.method.observe_prefill(method_state, PrefillResult(
           request_ids=[st.request.request_id for st in rows],
           starts=np.asarray([s for _, s, _ in chunks], np.int32),
@@ -422,6 +423,7 @@ class Engine:
         num_iterations=iterations, fused_implementation=tuple(fused_impl),
         attention_implementation=self.config.attention_implementation,
         hidden_layers=self.caps.target_hidden_layers if host else (),
+        proposer_hidden_layers=() if host else self.caps.target_hidden_layers,
         has_draft_probs=probs, synthetic_acceptance=self.config.synthetic_acceptance,
         num_layers=self.target.config.num_layers)
 

@@ -259,10 +259,24 @@ class Method(abc.ABC):
     """
     raise NotImplementedError(f"method {self.name!r} has no fused device proposer")
 
-  def prefill_device(self, params: Any, state: Any, tokens, meta) -> Any:
+  def prefill_device(self, params: Any, state: Any, tokens, meta, hidden: tuple = ()) -> Any:
     """Sees each prefill call of the target (host-called, synchronous), e.g. to fill a
     draft model's own KV with the same chunk: ``tokens i32[B, T]``, ``meta`` the
-    chunk's ``AttentionMetadata``. Returns the new state; default: unchanged."""
+    chunk's ``AttentionMetadata`` (row b's tokens are positions ``kv_lens[b] - q_lens[b]
+    ..``), ``hidden`` the target's ``[B, T, D]`` hidden states of
+    ``Capabilities.target_hidden_layers`` (device arrays). Returns the new state;
+    default: unchanged."""
+    return state
+
+  def observe_device(self, params: Any, state: Any, rows: DeviceRows, hidden: tuple,
+                     meta) -> Any:
+    """Sees the target forward of each fused iteration (traced inside the engine step,
+    before verification): ``hidden`` the ``[B, L+1, D]`` hidden states of
+    ``Capabilities.target_hidden_layers`` over ``[pending, d_1 .. d_L]``, whose row t is
+    position ``meta.kv_lens[b] - meta.q_lens[b] + t`` for ``t < q_lens[b]`` (rows past
+    the commit are rewritten by a later iteration before they are committed, as the
+    KV is). Only called for methods with target hidden layers. Returns the new state;
+    default: unchanged."""
     return state
 
   def reset_device(self, params: Any, state: Any, slots, num_tokens) -> Any:

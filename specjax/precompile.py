@@ -140,11 +140,11 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
   for plan, sb in decode:
     results, _ = engine._dispatch(plan, sb)
   for args, kwargs, tokens, meta in prefill:  # args[2], the pool, was donated since
-    engine.kv_caches, results, _ = forward_step(args[0], args[1], engine.kv_caches, *args[3:],
-                                                **kwargs)
+    engine.kv_caches, results, hidden = forward_step(args[0], args[1], engine.kv_caches,
+                                                     *args[3:], **kwargs)
     if engine.fused:
       engine._pstate = engine.method.prefill_device(engine._pparams, engine._pstate, tokens,
-                                                    meta)
+                                                    meta, tuple(hidden))
   if results is not None:
     jax.block_until_ready(results)
   return len(decode) + len(prefill)

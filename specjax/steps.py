@@ -150,6 +150,8 @@ class StepPlan:
     attention_implementation: paged-attention implementation(s).
     hidden_layers: target hidden-state layers returned (rows in commit order; of the
       last iteration).
+    proposer_hidden_layers: target hidden-state layers a fused proposer reads in each
+      iteration (``Method.observe_device``); not returned.
     has_draft_probs: the step gets ``draft_probs f32[B, L, V]`` (host-side proposers).
     synthetic_acceptance: None, or per-position acceptance probabilities
       ``(a_1, .., a_L')``: the accepted length is drawn as the leading run of
@@ -168,6 +170,7 @@ class StepPlan:
   fused_implementation: tuple[str, ...] = ("reference",)
   attention_implementation: str | tuple[str, ...] = "reference"
   hidden_layers: tuple[int, ...] = ()
+  proposer_hidden_layers: tuple[int, ...] = ()
   has_draft_probs: bool = False
   synthetic_acceptance: tuple[float, ...] | None = None
   num_layers: int = 1
@@ -177,6 +180,10 @@ class StepPlan:
       raise ValueError(f"sampler={self.sampler!r} must be one of {SAMPLERS}")
     if self.tree and self.sampler not in ("greedy", "jnp"):
       raise ValueError(f"tree steps verify with 'greedy' or 'jnp', not sampler={self.sampler!r}")
+    if self.proposer_hidden_layers and (self.host_drafts or self.hidden_layers):
+      raise ValueError("proposer_hidden_layers need a fused proposer and no returned "
+                       f"hidden_layers (host_drafts={self.host_drafts}, "
+                       f"hidden_layers={self.hidden_layers})")
     if self.num_iterations < 1:
       raise ValueError(f"num_iterations={self.num_iterations} must be >= 1")
     if self.num_iterations > 1 and (self.host_drafts and self.length or self.tree
@@ -345,10 +352,14 @@ def _iteration(plan: StepPlan, proposer, graphdef, params, proposer_params, batc
   model = nnx.merge(graphdef, params)
   logits_idx = jnp.broadcast_to(jnp.arange(length + 1, dtype=jnp.int32),
                                 (tokens.shape[0], length + 1))
-  kv_caches, out = model(kv_caches, tokens, meta, hidden_layers=plan.hidden_layers,
+  kv_caches, out = model(kv_caches, tokens, meta,
+                         hidden_layers=plan.hidden_layers or plan.proposer_hidden_layers,
                          logits_indices=logits_idx,
                          implementation=plan.attention_implementation)
   hidden = out.hidden
+  if plan.proposer_hidden_layers:  # e.g. a learned head's features, kept on the device
+    pstate = proposer.observe_device(proposer_params, pstate, view, tuple(hidden), meta)
+    hidden = ()
   toks, acc, nodes = _verify(plan, out.logits, drafts, parents, num_draft, probs, rows, n_tok)
   if plan.tree:
     kv_caches, hidden = _tree_path_fixups(kv_caches, batch.page_indices, nodes, acc, n_tok,

@@ -237,8 +237,11 @@ class OracleEagle3(Eagle3):
     return OracleHead(cfg, *self.table)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "host"])
 @pytest.mark.parametrize("workload", _slow_unless(("batch3",), list(WORKLOADS)))
-def test_oracle_head_accepts_everything(target, ar_outputs, workload):
+def test_oracle_head_accepts_everything(target, ar_outputs, workload, fused):
+  """Fused: the device feature pool (prefill and per-iteration writes, the window
+  gather) hands the head exactly the host path's window, or acceptance drops."""
   requests = _requests(*WORKLOADS[workload])
   expected = ar_outputs(workload)
   seqs = np.zeros((len(requests), MAX_LEN + 1), np.int32)
@@ -248,8 +251,10 @@ def test_oracle_head_accepts_everything(target, ar_outputs, workload):
     seqs[i, : len(full)] = full
     feats[i, : len(full)] = _features(target, full, LAYERS["eagle3"])
   method = OracleEagle3(k=K, feature_layers=LAYERS["eagle3"], window=MAX_LEN,
-                        table=(seqs, feats))
-  outputs, metrics = Engine(target, method, ENGINE).generate(requests)
+                        table=(seqs, feats), fused=fused)
+  engine = Engine(target, method, ENGINE)
+  assert engine.fused == fused
+  outputs, metrics = engine.generate(requests)
   assert [o.output_token_ids for o in outputs] == expected
   drafted = sum(s.drafted_per_position for s in metrics.steps)
   accepted = sum(s.accepted_per_position for s in metrics.steps)
@@ -267,6 +272,33 @@ def test_greedy_sd_equals_ar(target, ar_outputs, kind, workload):
   outputs, metrics = Engine(target, _method(kind), ENGINE).generate(requests)
   assert [o.output_token_ids for o in outputs] == ar_outputs(workload)
   assert sum(s.num_draft_tokens for s in metrics.steps) > 0
+
+
+def _step_counters(metrics):
+  return [(s.num_rows, s.num_draft_tokens, s.num_accepted, s.num_emitted) for s in metrics.steps]
+
+
+@pytest.mark.parametrize("kind,temperature", [
+    ("eagle3", 0.0), ("medusa", 1.0),
+    *[pytest.param(k, t, marks=pytest.mark.slow) for k in KINDS for t in (0.0, 1.0)
+      if (k, t) not in (("eagle3", 0.0), ("medusa", 1.0))]])
+def test_fused_head_equals_host_head(target, kind, temperature):
+  """The fused proposer drafts what the host-called one drafts: same outputs and
+  per-request counters (seeded sampling included: same draft keys and q), and, one
+  synchronous iteration per call, the same per-step counters."""
+  requests = _requests(14, 3, temperature=temperature)
+  host_out, host_met = Engine(target, _method(kind, fused=False), ENGINE).generate(requests)
+  sync = ENGINE.replace(steps_per_dispatch=1, async_scheduling=False)
+  for config in (ENGINE, sync):
+    engine = Engine(target, _method(kind), config)
+    assert engine.fused
+    out, met = engine.generate(requests)
+    assert [o.output_token_ids for o in out] == [o.output_token_ids for o in host_out]
+    assert [(o.num_steps, o.num_draft_tokens, o.num_accepted_tokens) for o in out] == [
+        (o.num_steps, o.num_draft_tokens, o.num_accepted_tokens) for o in host_out]
+    if config is sync:
+      assert _step_counters(met) == _step_counters(host_met)
+  assert sum(o.num_draft_tokens for o in host_out) > 0
 
 
 @pytest.mark.parametrize("kind", _slow_unless(("medusa",), KINDS))
@@ -440,7 +472,7 @@ def test_heads_draft_at_most_the_budget(target, monkeypatch, tree_nodes):
   monkeypatch.setattr(learned_mod, "head_tree_step", spy("head_tree_step", "depth"))
   monkeypatch.setattr(learned_mod.LearnedHeadMethod, "propose", propose)
   requests = [Request("edge", tuple(range(1, MAX_LEN - 5)), SamplingParams(max_tokens=40))]
-  kw = {"tree_nodes": tree_nodes, "tree_branching": 2} if tree_nodes else {}
+  kw = {"tree_nodes": tree_nodes, "tree_branching": 2} if tree_nodes else {"fused": False}
   outputs, _ = Engine(target, _method("eagle", **kw), ENGINE).generate(requests)
   ar, _ = Engine(target, make_method("ar"), ENGINE).generate(requests)
   assert outputs[0].output_token_ids == ar[0].output_token_ids
