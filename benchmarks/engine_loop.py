@@ -320,7 +320,7 @@ _PRECISION = flags.DEFINE_enum(
 _TWO_ROW = flags.DEFINE_boolean("two_row_decode", True, "models.layers.project's two-row "
                                 "GPU decode of one-row projections (off: plain one-row dots).")
 _ROW_REDUCE = flags.DEFINE_integer(
-    "row_reduce_max_rows", 16, "models.layers.project: full-f32 GPU projections of at most "
+    "row_reduce_max_rows", row_reduce_max_rows(), "models.layers.project: full-f32 GPU projections of at most "
     "this many rows run as multiply + reduce (0: always a dot).")
 _NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the target with "
                                 "(adds columns scaled to the shape's full layer count).")

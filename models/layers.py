@@ -14,7 +14,7 @@ __all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "activation", "project",
 
 _TWO_ROW_DECODE = [True]
 # Full-f32 GPU projections of at most this many rows run as multiply + reduce (0: off).
-_ROW_REDUCE_MAX_ROWS = [16]
+_ROW_REDUCE_MAX_ROWS = [4]
 _ROW_REDUCE_MAX_WEIGHT = 1 << 22  # elements: the per-layer weights, not an LM head
 _FULL_F32 = ("highest", "float32")
 
@@ -32,7 +32,7 @@ def two_row_decode() -> bool:
 
 def set_row_reduce_max_rows(max_rows: int) -> None:
   """Sets the most rows of a full-f32 GPU projection that ``project`` computes as a
-  multiply + reduce (0: never; default 16), for functions traced after the call (a
+  multiply + reduce (0: never; default 4), for functions traced after the call (a
   benchmark knob: ``benchmarks.engine_loop --row_reduce_max_rows``).
 
   Raises:
@@ -97,8 +97,11 @@ def project(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
   from ``precision=`` or ``jax.default_matmul_precision``) of at most
   ``row_reduce_max_rows()`` rows and a per-layer-sized weight (<= 2**22 elements) runs as
   a multiply + reduce (``rows_reduce``): XLA lowers such dots to f32 FMA GEMM kernels
-  (or cuBLAS SGEMM + split-K) that took 3x the TF32 kernels' time at SmolLM2-135M size,
-  while the reduce reads the weight once (``docs/gpu/device_resident_loop``).
+  (or cuBLAS SGEMM + split-K) that took ~2x the TF32 kernels' time at SmolLM2-135M size.
+  On the H200 (SmolLM2 f32 engine step at "highest", context 512, one run each) the
+  reduce took the batch-1 AR step from 2.247 to 1.872 ms and the batch-4 one from 2.120
+  to 2.001 ms, but made 5- and 20-row verify steps slower (1.852 -> 2.026, 2.343 ->
+  2.807 ms), hence the default of 4 rows (``docs/gpu/device_resident_loop``).
   """
   rows = math.prod(x.shape[:-1]) if x.ndim >= 2 else 0
   if (jax.default_backend() == "gpu" and 0 < rows <= _ROW_REDUCE_MAX_ROWS[0]

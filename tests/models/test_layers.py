@@ -86,20 +86,20 @@ def test_project_row_reduce_only_for_small_full_f32_on_gpu(monkeypatch):
   monkeypatch.setattr(layers, "rows_reduce", lambda *a: used.append(a[1].shape) or real(*a))
   monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
   w = jnp.ones((8, 4))
-  x = jnp.ones((1, 5, 8))
-  layers.project("BTD,DF->BTF", x, w, precision="highest")  # full f32, 5 rows: reduce
+  x = jnp.ones((1, 4, 8))
+  layers.project("BTD,DF->BTF", x, w, precision="highest")  # full f32, 4 rows: reduce
   with jax.default_matmul_precision("float32"):
     layers.project("BTD,DF->BTF", x, w)  # from the context: reduce
   with jax.default_matmul_precision("default"):
     layers.project("BTD,DF->BTF", x, w)  # JAX's default precision: a dot
   layers.project("BTD,DF->BTF", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
                  precision="highest")  # bf16: a dot
-  layers.project("BTD,DF->BTF", jnp.ones((1, 17, 8)), w, precision="highest")  # 17 rows
+  layers.project("BTD,DF->BTF", jnp.ones((1, 5, 8)), w, precision="highest")  # 5 rows
   layers.project("BTD,DF->BTF", x, jnp.ones((8, (1 << 19) + 1)), precision="highest")  # big w
   monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
   layers.project("BTD,DF->BTF", x, w, precision="highest")  # CPU: a dot
-  assert used == [(1, 5, 8), (1, 5, 8)]
-  monkeypatch.setattr(layers, "_ROW_REDUCE_MAX_ROWS", [16])
+  assert used == [(1, 4, 8), (1, 4, 8)]
+  monkeypatch.setattr(layers, "_ROW_REDUCE_MAX_ROWS", [4])
   layers.set_row_reduce_max_rows(0)
   monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
   layers.project("BTD,DF->BTF", x, w, precision="highest")  # off
