@@ -11,9 +11,11 @@ name (``method_memory``):
     context (``methods.draft_model`` shares the target's page table, so one draft KV
     slot per target slot). Qwen3-0.6B drafting for Qwen3-8B (bf16): 114,688 + 147,456
     bytes, 1.78 x the target alone (the seed paper's "1.77x").
-  * ``Capabilities.target_hidden_layers`` (learned heads, ``methods.learned``): no
-    per-token device KV (the head attends over a window of host features); per
-    sequence a host buffer of ``window * len(layers) * hidden_size * 4`` bytes (f32).
+  * ``Capabilities.target_hidden_layers`` (learned heads, ``methods.learned``): fused
+    (``runs_on == "fused"``), a device feature pool paged like the KV, ``len(layers) *
+    hidden_size * itemsize`` bytes per token of context (``methods.learned.FeaturePool``);
+    host-called, per sequence a host buffer of ``window * len(layers) * hidden_size * 4``
+    bytes (f32).
   * Host n-gram lookup keeps nothing beyond the token ids the scheduler already holds.
   * Suffix trees (SuffixDecoding, methods_reference.md 1.1): host memory; estimated by
     ``suffix_tree_bytes_per_token`` when the method config has a ``max_depth`` field
@@ -104,7 +106,10 @@ def method_memory(method: Method, target: ModelConfig, draft: ModelConfig | None
       raise ValueError(f"method {method.name!r} needs a draft model: draft=None")
     per_token["draft_kv"] = target_kv_bytes_per_token(draft, dtype)
   config = method.describe()
-  if caps.target_hidden_layers:
+  if caps.target_hidden_layers and caps.runs_on == "fused":
+    per_token["device_features"] = (len(caps.target_hidden_layers) * target.hidden_size
+                                    * dtype_bytes(dtype or target.dtype))
+  elif caps.target_hidden_layers:
     window = int(config.get("window", 1))
     per_seq["host_features"] = (window * len(caps.target_hidden_layers) * target.hidden_size
                                 * 4)

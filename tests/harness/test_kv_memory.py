@@ -29,7 +29,11 @@ def test_draft_model_adds_its_kv_seed_pair():
 def test_host_methods_and_heads():
   cfg = SHAPES["llama3-8b"]
   assert kv_memory.method_memory(make_method("ngram", 4), cfg).ratio_to_target == 1.0
-  head = kv_memory.method_memory(make_method("eagle3", 4, feature_layers=(2, 16, 29)), cfg)
+  fused = kv_memory.method_memory(make_method("eagle3", 4, feature_layers=(2, 16, 29)), cfg)
+  assert fused.extra_per_token == {"device_features": 3 * 4096 * 2}  # bf16 features per token
+  assert fused.device_per_token == 131072 + 3 * 4096 * 2 and not fused.extra_per_sequence
+  head = kv_memory.method_memory(make_method("eagle3", 4, feature_layers=(2, 16, 29),
+                                             fused=False), cfg)
   assert head.device_per_token == 131072
   assert head.extra_per_sequence == {"host_features": 64 * 3 * 4096 * 4}
   suffix_like = types.SimpleNamespace(
