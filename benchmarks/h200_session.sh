@@ -221,6 +221,11 @@ for step in "$@"; do
             --attention_implementation=$impl --output_dir="$OUT/sm_spd${n}_${impl%%,*}"
         done
       done ;;
+    eagle3_mt_bench)  # the zoo EAGLE-3 head (fused chain, k = 5) on Spec-Bench's MT-Bench
+      run eagle3_mt_bench evaluate --target=smollm2-135m --methods=ar,eagle3 \
+        --method_option=eagle3.head_path=${EAGLE3_HEAD:-smollm2-135m-eagle3} \
+        --num_speculative_tokens=5 --categories=mt_bench --num_prompts=${E3_PROMPTS:-32} \
+        --batch_sizes=1 --output_dir="$OUT/eagle3_mt_bench" ;;
     device_loop_smollm2)  # the SmolLM2 must-show, from an empty compile cache
       SPECJAX_COMPILATION_CACHE=${SPECJAX_COMPILATION_CACHE:-$OUT/cc_empty} run eval_device_loop \
         evaluate --target=smollm2-135m --methods=ar,ngram,suffix --num_prompts=12 \
