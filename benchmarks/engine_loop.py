@@ -56,12 +56,14 @@ from harness import plots
 from harness.evaluation import MATMUL_PRECISIONS
 from harness.synthetic import ConstantDrafter
 from models.layers import (
-    row_reduce_max_rows,
-    set_row_reduce_max_rows,
-    set_two_row_decode,
-    two_row_decode,
+  SMALL_F32_MATMULS,
+  set_small_f32_matmul,
+  set_two_row_decode,
+  small_f32_matmul,
+  two_row_decode,
 )
 from models.shapes import SHAPES
+from pallas_kernels.small_matmul import implementations_used as small_matmul_backends
 from specjax import sharding
 from specjax.compile_cache import enable_compilation_cache
 from specjax.config import EngineConfig, SamplingParams
@@ -265,7 +267,9 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
             device=jax.devices()[0].device_kind, backend=jax.default_backend(),
             attention_implementation=str(attention_implementation),
             layer_execution=layer_execution, steps_per_dispatch=steps_per_dispatch,
-            two_row_decode=two_row_decode(), row_reduce_max_rows=row_reduce_max_rows(),
+            two_row_decode=two_row_decode(), small_f32_matmul=small_f32_matmul()[0],
+            small_f32_max_rows=small_f32_matmul()[1],
+            small_matmul_backends=",".join(small_matmul_backends()),
             runs_on=method.capabilities().runs_on, jax_version=jax.__version__, **placement))
         log(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                      for k, v in rows[-1].items() if k in (
@@ -319,9 +323,12 @@ _PRECISION = flags.DEFINE_enum(
     "around the whole run (unset: JAX's default; experiments.evaluate uses 'highest').")
 _TWO_ROW = flags.DEFINE_boolean("two_row_decode", True, "models.layers.project's two-row "
                                 "GPU decode of one-row projections (off: plain one-row dots).")
-_ROW_REDUCE = flags.DEFINE_integer(
-    "row_reduce_max_rows", row_reduce_max_rows(), "models.layers.project: full-f32 GPU projections of at most "
-    "this many rows run as multiply + reduce (0: always a dot).")
+_SMALL_F32 = flags.DEFINE_enum(
+    "small_f32_matmul", small_f32_matmul()[0], list(SMALL_F32_MATMULS),
+    "models.layers.set_small_f32_matmul: how full-f32 GPU projections of at most "
+    "--small_f32_max_rows rows run.")
+_SMALL_F32_ROWS = flags.DEFINE_integer("small_f32_max_rows", small_f32_matmul()[1],
+                                       "Most rows of such a projection.")
 _NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the target with "
                                 "(adds columns scaled to the shape's full layer count).")
 
@@ -330,7 +337,7 @@ def main(argv):
   del argv
   enable_compilation_cache()
   set_two_row_decode(_TWO_ROW.value)
-  set_row_reduce_max_rows(_ROW_REDUCE.value)
+  set_small_f32_matmul(_SMALL_F32.value, _SMALL_F32_ROWS.value)
   impl = tuple(_IMPL.value)
   precision = (jax.default_matmul_precision(_PRECISION.value) if _PRECISION.value
                else contextlib.nullcontext())

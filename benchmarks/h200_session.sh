@@ -206,12 +206,14 @@ for step in "$@"; do
       run sm_sync python3 -m benchmarks.engine_loop --target=smollm2-135m --dtype=float32 \
         --batch_sizes=1 --contexts=512 --lengths=0,4 --drafter=constant_host \
         --matmul_precision=highest --top_ops=${TOP_OPS:-20} --output_dir="$OUT/sm_sync" ;;
-    row_reduce)  # full-f32 projections as multiply + reduce (models.layers.rows_reduce)
-      for spec in ${ROW_REDUCE_RUNS:-0:1,4 32:1,4}; do
-        run "sm_rr${spec%%:*}" python3 -m benchmarks.engine_loop --target=smollm2-135m \
-          --dtype=float32 --batch_sizes=${spec#*:} --contexts=512 --lengths=0,4 \
-          --matmul_precision=highest --row_reduce_max_rows=${spec%%:*} \
-          --output_dir="$OUT/sm_rr${spec%%:*}"
+    small_f32)  # full-f32 projections of few rows (models.layers.set_small_f32_matmul):
+      # XLA's dot, multiply + reduce, the Pallas Triton kernel; SmolLM2 AR and verify steps
+      for spec in ${SMALL_F32_RUNS:-dot:4 reduce:4 pallas_triton:16}; do
+        run "sm_f32_${spec%%:*}" python3 -m benchmarks.engine_loop --target=smollm2-135m \
+          --dtype=float32 --batch_sizes=1,4 --contexts=512 --lengths=0,4 \
+          --matmul_precision=highest --small_f32_matmul=${spec%%:*} \
+          --small_f32_max_rows=${spec#*:} --top_ops=${TOP_OPS:-12} \
+          --output_dir="$OUT/sm_f32_${spec%%:*}"
       done ;;
     smollm2_spd)  # steps per dispatch at SmolLM2 size, both attention back ends
       for impl in reference pallas_gpu,reference; do

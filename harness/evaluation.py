@@ -53,8 +53,10 @@ from harness.kv_memory import method_kv_bytes_per_token
 from harness.reconcile import speedups
 from harness.stats import aggregate, format_mean_std
 from methods.registry import METHODS, make_method
+from models.layers import small_f32_matmul
 from models.zoo import is_random_name
 from pallas_kernels.paged_attention import implementations_used, resolve_implementation
+from pallas_kernels.small_matmul import implementations_used as small_matmul_backends
 from pallas_kernels.verify import implementations_used as verify_implementations_used
 from specjax import sharding
 from specjax.compile_cache import enable_compilation_cache
@@ -582,6 +584,10 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   # Fused-sampler backends traced in this process; the jnp sampler (or greedy argmax,
   # which every choice shares) when none was.
   df["verify_backends_used"] = ",".join(verify_implementations_used()) or "jnp_rejection_sample"
+  # How full-f32 GPU projections of few rows ran (models.layers.set_small_f32_matmul).
+  impl, max_rows = small_f32_matmul()
+  df["small_f32_matmul"] = f"{impl}:{max_rows}" + (
+      f" ({','.join(small_matmul_backends())})" if small_matmul_backends() else "")
   peer_df = None
   if cfg.peer == "hf":
     from harness import hf_peer  # noqa: PLC0415
@@ -816,7 +822,7 @@ def run_summary(cfg: EvalConfig, df: pd.DataFrame, categories: pd.DataFrame,
   first = df.iloc[0]
   env = {k: (first[k].item() if hasattr(first[k], "item") else first[k])
          for k in ("device", "backend", "jax_version", "max_model_len", "attention_backends_used",
-                   "verify_backends_used") if k in df}
+                   "verify_backends_used", "small_f32_matmul") if k in df}
   return {
       "config": dataclasses.asdict(cfg),
       "environment": env,

@@ -65,7 +65,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.head_trees import eagle2_tree, medusa_tree
-from models.layers import apply_rope, rms_norm, rope_inv_freq
+from models.layers import apply_rope, project, rms_norm, rope_inv_freq
 
 __all__ = [
     "HEAD_KINDS",
@@ -298,20 +298,22 @@ class HeadLayer(nnx.Module):
 
   def kv(self, x_attn, positions):
     """``x_attn [B, S, A]``, ``positions i32[B, S]`` -> roped ``k``, ``v`` ``[B, S, K, H]``."""
-    k = jnp.einsum("BSA,AKH->BSKH", x_attn, self.k[...])
-    v = jnp.einsum("BSA,AKH->BSKH", x_attn, self.v[...])
+    k = project("BSA,AKH->BSKH", x_attn, self.k[...])
+    v = project("BSA,AKH->BSKH", x_attn, self.v[...])
     return self._rope(k, positions), v
 
   def __call__(self, x_attn, resid, positions, k, v, mask):
     """``x_attn [B, T, A]``, ``resid [B, T, D]``, keys ``[B, S, K, H]``, ``mask [B, T, S]``."""
     cfg = self.cfg
-    q = self._rope(jnp.einsum("BTA,ANH->BTNH", x_attn, self.q[...]), positions)
+    q = self._rope(project("BTA,ANH->BTNH", x_attn, self.q[...]), positions)
     attn = dense_attention(q, k, v, mask, cfg.head_dim**-0.5)
-    x = resid + jnp.einsum("BTNH,NHD->BTD", attn, self.o[...])
+    o = self.o[...]
+    x = resid + project("BTE,ED->BTD", attn.reshape(*attn.shape[:2], -1),
+                        o.reshape(-1, o.shape[-1]))
     h = _norm(x, self.ffn_norm, cfg.rms_norm_eps)
-    gate = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h, self.gate[...]))
-    up = jnp.einsum("BTD,DF->BTF", h, self.up[...])
-    return x + jnp.einsum("BTF,FD->BTD", gate * up, self.down[...])
+    gate = jax.nn.silu(project("BTD,DF->BTF", h, self.gate[...]))
+    up = project("BTD,DF->BTF", h, self.up[...])
+    return x + project("BTF,FD->BTD", gate * up, self.down[...])
 
 
 def _stack(tokens: list, probs: list):
@@ -371,7 +373,7 @@ class EagleHead(nnx.Module):
     eps = self.cfg.rms_norm_eps
     emb = target.embed_tokens(tokens).astype(jnp.float32)
     if self.cfg.kind == "eagle":
-      x = jnp.einsum("BSE,ED->BSD", jnp.concatenate([emb, hidden], -1), self.fc[...])
+      x = project("BSE,ED->BSD", jnp.concatenate([emb, hidden], -1), self.fc[...])
       return _norm(x, self.attn_norm, eps), x
     x_attn = jnp.concatenate([_norm(emb, self.embed_norm, eps),
                               _norm(hidden, self.hidden_norm, eps)], -1)
@@ -524,7 +526,7 @@ class _MTPModule(nnx.Module):
     """``tokens i32[B, S]`` (x_{i+j}), ``hidden [B, S, D]`` (h^{j-1}) -> ``h^j [B, S, D]``."""
     eps = self.cfg.rms_norm_eps
     emb = target.embed_tokens(tokens).astype(jnp.float32)
-    x = jnp.einsum("BSE,ED->BSD", jnp.concatenate(
+    x = project("BSE,ED->BSD", jnp.concatenate(
         [_norm(hidden, self.hidden_norm, eps), _norm(emb, self.embed_norm, eps)], -1),
         self.proj[...])
     x_attn = _norm(x, self.attn_norm, eps)
@@ -599,7 +601,7 @@ class _ResBlock(nnx.Module):
     self.b = nnx.Param(jnp.zeros((d,), jnp.float32))
 
   def __call__(self, h):
-    return h + jax.nn.silu(jnp.einsum("...D,DE->...E", h, self.w[...]) + self.b[...])
+    return h + jax.nn.silu(project("...D,DE->...E", h, self.w[...]) + self.b[...])
 
 
 class MedusaHead(nnx.Module):
@@ -675,8 +677,8 @@ class EarlyExitHead(nnx.Module):
     return self.cfg.feature_layers[0]
 
   def adapt(self, h):
-    return jnp.einsum("...D,DE->...E", _norm(h.astype(jnp.float32), self.scale,
-                                             self.cfg.rms_norm_eps), self.proj[...])
+    return project("...D,DE->...E", _norm(h.astype(jnp.float32), self.scale,
+                                          self.cfg.rms_norm_eps), self.proj[...])
 
   def train_logits(self, target, g, depth: int):
     tc = target.cfg

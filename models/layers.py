@@ -8,14 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["rms_norm", "rope_inv_freq", "apply_rope", "activation", "project",
-           "row_reduce_max_rows", "set_row_reduce_max_rows", "set_two_row_decode",
-           "two_row_decode"]
+__all__ = ["SMALL_F32_MATMULS", "rms_norm", "rope_inv_freq", "apply_rope", "activation",
+           "project", "rows_reduce", "set_small_f32_matmul", "set_two_row_decode",
+           "small_f32_matmul", "two_row_decode"]
 
 _TWO_ROW_DECODE = [True]
-# Full-f32 GPU projections of at most this many rows run as multiply + reduce (0: off).
-_ROW_REDUCE_MAX_ROWS = [4]
-_ROW_REDUCE_MAX_WEIGHT = 1 << 22  # elements: the per-layer weights, not an LM head
+# How full-f32 GPU projections of at most max_rows rows run (set_small_f32_matmul).
+SMALL_F32_MATMULS = ("reduce", "pallas_triton", "dot")
+_SMALL_F32 = {"implementation": "reduce", "max_rows": 4}
+_SMALL_F32_MAX_WEIGHT = 1 << 22  # elements: the per-layer weights, not an LM head
 _FULL_F32 = ("highest", "float32")
 
 
@@ -30,22 +31,29 @@ def two_row_decode() -> bool:
   return _TWO_ROW_DECODE[0]
 
 
-def set_row_reduce_max_rows(max_rows: int) -> None:
-  """Sets the most rows of a full-f32 GPU projection that ``project`` computes as a
-  multiply + reduce (0: never; default 4), for functions traced after the call (a
-  benchmark knob: ``benchmarks.engine_loop --row_reduce_max_rows``).
+def set_small_f32_matmul(implementation: str | None = None, max_rows: int | None = None) -> None:
+  """Sets how ``project`` computes full-f32 GPU projections of at most ``max_rows`` rows
+  (a per-layer-sized weight), for functions traced after the call: "reduce"
+  (``rows_reduce``, the default, 4 rows), "pallas_triton"
+  (``pallas_kernels.small_matmul``, at most 16 rows; shapes it does not take run XLA's
+  dot, recorded in ``pallas_kernels.small_matmul.implementations_used``) or "dot" (XLA's
+  own GEMM kernels). A benchmark knob: ``benchmarks.engine_loop --small_f32_matmul``.
 
   Raises:
-    ValueError: ``max_rows`` < 0.
+    ValueError: an unknown implementation, ``max_rows`` < 0, or > 16 for "pallas_triton".
   """
-  if int(max_rows) < 0:
-    raise ValueError(f"max_rows={max_rows} must be >= 0 (0 turns the row reduce off)")
-  _ROW_REDUCE_MAX_ROWS[0] = int(max_rows)
+  impl = _SMALL_F32["implementation"] if implementation is None else implementation
+  rows = _SMALL_F32["max_rows"] if max_rows is None else int(max_rows)
+  if impl not in SMALL_F32_MATMULS:
+    raise ValueError(f"implementation={impl!r} must be one of {SMALL_F32_MATMULS}")
+  if rows < 0 or (impl == "pallas_triton" and rows > 16):
+    raise ValueError(f"max_rows={rows} must be >= 0 (and <= 16 for 'pallas_triton')")
+  _SMALL_F32.update(implementation=impl, max_rows=rows)
 
 
-def row_reduce_max_rows() -> int:
-  """``set_row_reduce_max_rows``'s current value."""
-  return _ROW_REDUCE_MAX_ROWS[0]
+def small_f32_matmul() -> tuple[str, int]:
+  """``set_small_f32_matmul``'s current ``(implementation, max_rows)``."""
+  return _SMALL_F32["implementation"], _SMALL_F32["max_rows"]
 
 
 def _full_f32(precision) -> bool:
@@ -55,6 +63,27 @@ def _full_f32(precision) -> bool:
   if isinstance(precision, (tuple, list)):
     return all(_full_f32(p) for p in precision)
   return precision is not None and str(precision).lower().removeprefix("precision.") in _FULL_F32
+
+
+def _as_matrix(spec: str, x: jax.Array, w: jax.Array):
+  """``(x f32[M, D], w f32[D, N], out_shape)`` of a projection ``spec`` (see
+  ``rows_reduce`` for the form it must have).
+
+  Raises:
+    ValueError: a spec of another form.
+  """
+  ins, out = spec.replace(" ", "").split("->")
+  xs, ws = ins.split(",")
+  c = xs[-1]
+  others = ws.replace(c, "")
+  if ws.count(c) != 1 or c in out or out != xs[:-1] + others:
+    raise ValueError(f"spec={spec!r} must contract x's last axis with one axis of w and "
+                     "output x's leading axes, then w's other axes")
+  d = x.shape[-1]
+  axis = ws.index(c)
+  w2 = jnp.moveaxis(w, axis, 0).reshape(d, -1).astype(jnp.float32)
+  w_other = tuple(n for i, n in enumerate(w.shape) if i != axis)
+  return x.reshape(-1, d).astype(jnp.float32), w2, (*x.shape[:-1], *w_other)
 
 
 def rows_reduce(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -68,19 +97,17 @@ def rows_reduce(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
   Raises:
     ValueError: a spec of another form.
   """
-  ins, out = spec.replace(" ", "").split("->")
-  xs, ws = ins.split(",")
-  c = xs[-1]
-  others = ws.replace(c, "")
-  if ws.count(c) != 1 or c in out or out != xs[:-1] + others:
-    raise ValueError(f"spec={spec!r} must contract x's last axis with one axis of w and "
-                     "output x's leading axes, then w's other axes")
-  d = x.shape[-1]
-  wt = jnp.moveaxis(w, ws.index(c), 0).reshape(d, -1).astype(jnp.float32)
-  x2 = x.reshape(-1, d).astype(jnp.float32)
-  y = jnp.sum(x2[:, :, None] * wt[None], axis=1)
-  w_other = tuple(n for i, n in enumerate(w.shape) if i != ws.index(c))
-  return y.reshape(*x.shape[:-1], *w_other)
+  x2, w2, shape = _as_matrix(spec, x, w)
+  return jnp.sum(x2[:, :, None] * w2[None], axis=1).reshape(shape)
+
+
+def _small_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """``rows_reduce``'s contract through ``pallas_kernels.small_matmul`` (Pallas Triton;
+  XLA's dot for shapes the kernel does not take, recorded by the dispatcher)."""
+  from pallas_kernels.small_matmul import small_matmul  # noqa: PLC0415
+
+  x2, w2, shape = _as_matrix(spec, x, w)
+  return small_matmul(x2, w2, implementation=("pallas_triton", "reference")).reshape(shape)
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
@@ -94,9 +121,9 @@ def project(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
   backends get the plain einsum (on XLA CPU two rows cost more than one).
 
   On GPU a full-f32 projection (f32 ``x`` and ``w`` at "highest" / "float32" precision,
-  from ``precision=`` or ``jax.default_matmul_precision``) of at most
-  ``row_reduce_max_rows()`` rows and a per-layer-sized weight (<= 2**22 elements) runs as
-  a multiply + reduce (``rows_reduce``): XLA lowers such dots to f32 FMA GEMM kernels
+  from ``precision=`` or ``jax.default_matmul_precision``) of at most ``max_rows`` rows
+  and a per-layer-sized weight (<= 2**22 elements) runs as ``set_small_f32_matmul`` says;
+  by default a multiply + reduce (``rows_reduce``): XLA lowers such dots to f32 FMA GEMM kernels
   (or cuBLAS SGEMM + split-K) that took ~2x the TF32 kernels' time at SmolLM2-135M size.
   On the H200 (SmolLM2 f32 engine step at "highest", context 512, one run each) the
   reduce took the batch-1 AR step from 2.247 to 1.872 ms and the batch-4 one from 2.120
@@ -104,9 +131,12 @@ def project(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
   2.807 ms), hence the default of 4 rows (``docs/gpu/device_resident_loop``).
   """
   rows = math.prod(x.shape[:-1]) if x.ndim >= 2 else 0
-  if (jax.default_backend() == "gpu" and 0 < rows <= _ROW_REDUCE_MAX_ROWS[0]
+  impl = _SMALL_F32["implementation"]
+  if (impl != "dot" and jax.default_backend() == "gpu" and 0 < rows <= _SMALL_F32["max_rows"]
       and x.dtype == jnp.float32 and w.dtype == jnp.float32
-      and w.size <= _ROW_REDUCE_MAX_WEIGHT and _full_f32(kwargs.get("precision"))):
+      and w.size <= _SMALL_F32_MAX_WEIGHT and _full_f32(kwargs.get("precision"))):
+    if impl == "pallas_triton":
+      return _small_matmul(spec, x, w)
     return rows_reduce(spec, x, w)
   if (x.ndim < 2 or math.prod(x.shape[:-1]) != 1 or jax.default_backend() != "gpu"
       or not _TWO_ROW_DECODE[0]):

@@ -44,7 +44,7 @@ def test_project_pads_only_single_rows_on_gpu(monkeypatch):
 
   monkeypatch.setattr(layers.jnp, "einsum", spy)
   monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(layers, "_ROW_REDUCE_MAX_ROWS", [0])  # the dot path only
+  monkeypatch.setattr(layers, "_SMALL_F32", {"implementation": "dot", "max_rows": 4})
   w = jnp.ones((8, 4))
   layers.project("BTD,DF->BTF", jnp.ones((1, 1, 8)), w)  # batch-1 decode: two rows
   layers.project("BTD,DF->BTF", jnp.ones((1, 3, 8)), w)  # verify: unchanged
@@ -99,10 +99,34 @@ def test_project_row_reduce_only_for_small_full_f32_on_gpu(monkeypatch):
   monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
   layers.project("BTD,DF->BTF", x, w, precision="highest")  # CPU: a dot
   assert used == [(1, 4, 8), (1, 4, 8)]
-  monkeypatch.setattr(layers, "_ROW_REDUCE_MAX_ROWS", [4])
-  layers.set_row_reduce_max_rows(0)
+  monkeypatch.setattr(layers, "_SMALL_F32", {"implementation": "reduce", "max_rows": 4})
+  layers.set_small_f32_matmul(max_rows=0)
   monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
   layers.project("BTD,DF->BTF", x, w, precision="highest")  # off
-  assert len(used) == 2 and layers.row_reduce_max_rows() == 0
+  assert len(used) == 2 and layers.small_f32_matmul() == ("reduce", 0)
   with pytest.raises(ValueError, match="max_rows=-1"):
-    layers.set_row_reduce_max_rows(-1)
+    layers.set_small_f32_matmul(max_rows=-1)
+  with pytest.raises(ValueError, match="implementation='cublas' must be one of"):
+    layers.set_small_f32_matmul("cublas")
+  with pytest.raises(ValueError, match="max_rows=17"):
+    layers.set_small_f32_matmul("pallas_triton", 17)
+
+
+def test_project_pallas_small_matmul_matches_einsum(monkeypatch):
+  """The Pallas Triton path of ``project`` (interpret mode here) equals the einsum."""
+  from pallas_kernels import small_matmul as sm  # noqa: PLC0415
+
+  real = sm.small_matmul
+  monkeypatch.setattr(sm, "small_matmul", lambda x, w, **kw: real(x, w, **kw, interpret=True))
+  monkeypatch.setattr(layers, "_SMALL_F32", {"implementation": "pallas_triton", "max_rows": 16})
+  monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+  for spec, x_shape, w_shape in [("BTD,DNH->BTNH", (1, 5, 64), (64, 2, 16)),
+                                 ("BTE,ED->BTD", (4, 1, 32), (32, 48)),
+                                 ("BTD,DF->BTF", (1, 1, 24), (24, 16))]:  # D=24: XLA's dot
+    kx, kw = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, x_shape, jnp.float32)
+    w = jax.random.normal(kw, w_shape, jnp.float32)
+    want = jnp.einsum(spec, x, w, precision="highest")
+    got = layers.project(spec, x, w, precision="highest")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert "pallas_triton" in sm.implementations_used() and "reference" in sm.implementations_used()
