@@ -577,6 +577,13 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
               for o, p, a in zip(outs, prompts, compile_affected(outs, met.compile_windows))
           )
         del engines
+      if jax.default_backend() == "cpu":
+        # Each held XLA:CPU executable keeps ~6 memory mappings: every method at every
+        # batch size in one process reached vm.max_map_count (65,530) and segfaulted in a
+        # persistent-cache write (4 methods, batch 1 and 4, SmolLM2: 54,168 mappings after
+        # batch 1). The next batch size compiles its own shapes (or loads them from the
+        # persistent cache) in its warm-up, so its measured passes are unaffected.
+        jax.clear_caches()
   df = _order_columns(pd.DataFrame(rows), k)
   # What actually ran (the requested list can fall through, e.g. pallas_gpu -> reference
   # for f32): every paged-attention backend traced in this process up to now.

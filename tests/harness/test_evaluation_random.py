@@ -62,3 +62,19 @@ def test_text_dataset_needs_a_tokenizer(monkeypatch):
                                        r"must be 'random'"):
     run_evaluation(EvalConfig(target="no-tok", dataset="gsm8k", num_prompts=1),
                    progress=False, verbose=False)
+
+
+def test_cpu_executables_are_dropped_between_batch_sizes(monkeypatch):
+  """On CPU the evaluation drops compiled executables after each batch size (they count
+  against vm.max_map_count), and the next batch size's measured pass still compiles
+  nothing (its warm-up compiled it again)."""
+  import jax  # noqa: PLC0415
+
+  calls = []
+  real = jax.clear_caches
+  monkeypatch.setattr(evaluation.jax, "clear_caches", lambda: calls.append(1) or real())
+  cfg = EvalConfig(target="random:tiny", dataset="random", input_len=16, methods=("ar", "ngram"),
+                   num_prompts=2, batch_sizes=(1, 2), max_new_tokens=6, repeats=1)
+  df = run_evaluation(cfg, progress=False, verbose=False)
+  assert len(calls) == 2  # after batch 1 and after batch 2
+  assert (df.num_compiles == 0).all() and df.lossless.dropna().all()
