@@ -416,8 +416,7 @@ class LearnedHeadMethod(Method):
   @staticmethod
   def _host_features(hidden: tuple) -> np.ndarray:
     """Tuple of ``[B, T, D]`` -> ``f32[B, T, F]`` (concatenated in layer order)."""
-    return np.asarray(jnp.concatenate(hidden, axis=-1) if len(hidden) > 1 else hidden[0],
-                      np.float32)
+    return np.asarray(_feature_rows(tuple(hidden)), np.float32)
 
   def _append(self, state: _State, rid, rows: np.ndarray) -> None:
     old = state.feats.get(rid)
