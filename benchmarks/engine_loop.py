@@ -113,8 +113,10 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
   """One row per (num_layers, mesh, batch, context, L); see the module docstring.
   ``target`` is a ``SHAPES`` name (random weights) or a ``models.zoo`` model (real
   weights); ``meshes`` holds "none" and/or ``specjax.sharding.parse_mesh`` strings;
-  ``drafter`` is "constant" (fused), "constant_host" or "draft_model" (with the
-  ``draft`` shape, random weights); ``top`` > 0 logs the profiled run's ``top`` device
+  ``drafter`` is "constant" (fused), "constant_host", "draft_model" (with the
+  ``draft`` shape, random weights) or "suffix" (suffix decoding's fused device drafter:
+  the drafts it finds are accepted with the synthetic probabilities, so its tau is
+  what it finds; its step time is the drafter's cost plus a k-wide verify); ``top`` > 0 logs the profiled run's ``top`` device
   ops per engine step (``benchmarks.device_time.top_ops``, prefill included) and the
   ``top`` Python functions of one more run by own time per step (cProfile) and, with
   ``ops_dir``, writes every op unfolded to ``ops_dir/ops_b{batch}_ctx{context}_L{L}.csv``
@@ -196,6 +198,10 @@ def _method(drafter: str, length: int):
     from methods.draft_model import DraftModel  # noqa: PLC0415
 
     return DraftModel(k=length)
+  if drafter == "suffix":  # suffix decoding's device drafter (fused): its cost in the step
+    from methods.suffix import SuffixDecoding  # noqa: PLC0415
+
+    return SuffixDecoding(k=length)
   return ConstantDrafter(k=length, device=drafter == "constant")
 
 
@@ -294,7 +300,7 @@ def _log_python_profile(engine, reqs, length: int, top: int, log) -> None:
         f"ms/step own, {1e3 * cum / per:.4f} cumulative, {calls / per:.2f} calls/step")
 
 
-DRAFTERS = ("constant", "constant_host", "draft_model")
+DRAFTERS = ("constant", "constant_host", "draft_model", "suffix")
 _TARGET = flags.DEFINE_string("target", "llama3-8b", f"{list(SHAPES)} or a models.zoo name.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Model dtype.")
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "16", "64"], "Batch sizes.")

@@ -206,6 +206,14 @@ for step in "$@"; do
       run sm_sync python3 -m benchmarks.engine_loop --target=smollm2-135m --dtype=float32 \
         --batch_sizes=1 --contexts=512 --lengths=0,4 --drafter=constant_host \
         --matmul_precision=highest --top_ops=${TOP_OPS:-20} --output_dir="$OUT/sm_sync" ;;
+    suffix_device)  # suffix decoding's fused device drafter in the SmolLM2 step, against the
+      # zero-cost constant drafter, at the evaluation's precision, with its device ops
+      for d in constant suffix; do
+        run "sm_drafter_$d" python3 -m benchmarks.engine_loop --target=smollm2-135m \
+          --dtype=float32 --batch_sizes=${SUFFIX_BATCHES:-1,4} --contexts=512 --lengths=0,4 \
+          --drafter=$d --matmul_precision=highest --top_ops=${TOP_OPS:-25} \
+          --output_dir="$OUT/sm_drafter_$d"
+      done ;;
     small_f32)  # full-f32 projections of few rows (models.layers.set_small_f32_matmul):
       # XLA's dot, multiply + reduce, the Pallas Triton kernel; SmolLM2 AR and verify steps
       for spec in ${SMALL_F32_RUNS:-dot:4 reduce:4 pallas_triton:16}; do

@@ -12,24 +12,30 @@ Per row and step (Arctic ``SuffixTree::speculate``): for each match length m = 1
 that does not match) the node of the context's last m tokens drafts at most
 ``min(budget, floor(m * max_spec_factor + max_spec_offset))`` tokens:
 
-* path: follow the most frequent child while the running probability ``p *=
-  count(child) / count(node)`` stays >= ``min_token_prob``;
+* path: follow the most frequent child while its probability ``p = count(child) /
+  count(start)`` (the running product of the count ratios ``count(child) /
+  count(node)``, telescoped) stays >= ``min_token_prob``; children of equal count: the
+  one whose latest occurrence is latest (largest ``(sequence id, end position)``);
 * tree (``tree=True``): best-first on p over all children (pruned below
   ``min_token_prob``), verified with the engine's tree mask (``Draft.parents``).
 
 A draft's score is the sum of its tokens' p (its expected accepted length under the
-counts); the best score over m wins (ties: the longer match), then the better of the
-local and the global tree (ties: local). Drafts are deterministic (no ``Draft.probs``),
-so stochastic verification with a one-hot q keeps the target distribution.
+counts), kept as the exact fraction ``sum(count) / count(start)``; the best score over
+m wins (ties: the longer match), then the better of the local and the global tree
+(ties: local). Drafts are deterministic (no ``Draft.probs``), so stochastic
+verification with a one-hot q keeps the target distribution. These rules are the ones
+the device version (``methods.suffix_device``, the default) computes without a tree;
+this host version is its test oracle and the tree mode.
 
 Worked example (one sequence ``a b a b c``, depth 24): ``count(a) = 2``, ``count(a b) = 2``,
 ``count(b) = 2``, ``count(b a) = 1``, ``count(b c) = 1``. Context ``.. a b``: m = 1 (node
-``b``) drafts ``a`` with p = 1/2 (``a`` and ``c`` tie; the first inserted child wins),
-budget 1; m = 2 (node ``a b``) drafts ``a`` (p 1/2) then ``b`` (p 1/2), score 1.0.
+``b``) drafts ``c`` with p = 1/2 (``a`` and ``c`` tie; ``b c``'s occurrence, ending at
+position 4, is later than ``b a``'s at 2), budget 1; m = 2 (node ``a b``) drafts ``c``
+(p 1/2; ``a b c`` has no children), score 1/2, which ties and so wins (the longer match).
 
-Host-side Python. The edges are not compressed (Arctic's are): memory is O(tokens x
-depth) trie nodes in the worst case (flat int lists, ~100 B per node), matching is
-O(depth^2) dict look-ups per row and tree. The global tree lives in ``RuntimeInfo.method_cache`` and so persists across
+Host-side Python (``device=False`` or ``tree=True``). The edges are not compressed
+(Arctic's are): memory is O(tokens x depth) trie nodes in the worst case (flat int
+lists, ~100 B per node), matching is O(depth^2) dict look-ups per row and tree. The global tree lives in ``RuntimeInfo.method_cache`` and so persists across
 ``generate`` calls of one engine; a request id submitted again is a new response
 sequence (it does not evict its earlier response, unlike Arctic's ``start_request``).
 """
@@ -41,9 +47,19 @@ import dataclasses
 import heapq
 import math
 
+import jax
 import numpy as np
 
-from specjax.method import Capabilities, Draft, Method, ProposeContext, VerifyResult
+from methods.suffix_device import (
+    SuffixDeviceParams,
+    global_corpus,
+    init_suffix_state,
+    release_slots,
+    reset_slots,
+    spec_caps,
+    suffix_draft_device,
+)
+from specjax.method import Capabilities, DeviceDraft, Draft, Method, ProposeContext, VerifyResult
 
 __all__ = ["GlobalCache", "SuffixDecoding", "SuffixDraft", "SuffixState", "SuffixTree"]
 
@@ -55,8 +71,10 @@ class SuffixDraft:
   Attributes:
     tokens: draft token ids (tree: best-first order, parents before children).
     parents: parent index per token (-1 = the pending token; a path is ``[-1, 0, 1, ..]``).
-    probs: the estimated probability of each token (the running product of count ratios).
-    score: ``sum(probs)``, the expected accepted length under the tree's counts.
+    probs: the estimated probability of each token (``count(node) / count(start)``).
+    score: ``sum(probs)``, the expected accepted length under the tree's counts, which
+      is exactly ``score_num / score_den`` (compare drafts with ``better_or_equal``).
+    score_num, score_den: the sum of the drafted nodes' counts and the start node's count.
     match_len: length of the matched context suffix (0: no draft).
     source: "local", "global" or "" (no draft).
   """
@@ -67,6 +85,12 @@ class SuffixDraft:
   score: float = 0.0
   match_len: int = 0
   source: str = ""
+  score_num: int = 0
+  score_den: int = 1
+
+  def better_or_equal(self, other: SuffixDraft) -> bool:
+    """``self.score >= other.score``, exactly (integer cross-multiplication)."""
+    return self.score_num * other.score_den >= other.score_num * self.score_den
 
 
 class SuffixTree:
@@ -77,7 +101,8 @@ class SuffixTree:
   ``max_depth - 1``) suffixes still shorter than the depth, plus a new one-token suffix.
 
   Nodes are integer ids into flat lists (count, token, first child, last child, next
-  sibling; children in insertion order) and one dict ``(node << 32) | token -> child``:
+  sibling, children in insertion order; ``recent``: the ``(sequence id, end position)``
+  of the node's latest occurrence, packed in one int, which breaks count ties) and one dict ``(node << 32) | token -> child``:
   no Python object per node, so the garbage collector does not rescan millions of them
   (a trie of ``_Node`` objects built 5x slower with the collector on).
 
@@ -97,6 +122,7 @@ class SuffixTree:
     self._first = [-1]
     self._last = [-1]
     self._next = [-1]
+    self._recent = [-1]
     self._free: list[int] = []
     self._seqs: dict[int, list[int]] = {}
     self._active: dict[int, list[int]] = {}  # per sequence, deepest suffix first
@@ -116,8 +142,8 @@ class SuffixTree:
   def _new_child(self, node: int, token: int) -> int:
     if self._free:
       c = self._free.pop()
-      self._count[c], self._token[c], self._first[c], self._last[c], self._next[c] = (
-          0, token, -1, -1, -1)
+      (self._count[c], self._token[c], self._first[c], self._last[c], self._next[c],
+       self._recent[c]) = (0, token, -1, -1, -1, -1)
     else:
       c = len(self._count)
       self._count.append(0)
@@ -125,6 +151,7 @@ class SuffixTree:
       self._first.append(-1)
       self._last.append(-1)
       self._next.append(-1)
+      self._recent.append(-1)
     if self._last[node] < 0:
       self._first[node] = c
     else:
@@ -160,14 +187,18 @@ class SuffixTree:
     token = int(token)
     if not 0 <= token < 1 << 31:
       raise ValueError(f"{token=} must be in [0, 2**31)")
-    self._seqs.setdefault(seq_id, []).append(token)
+    seq = self._seqs.setdefault(seq_id, [])
+    seq.append(token)
+    key = (seq_id << 40) | (len(seq) - 1)  # (sequence, end position); ids grow
     grown = []
-    child_of, count = self._child, self._count
+    child_of, count, recent = self._child, self._count, self._recent
     for node in [*self._active.get(seq_id, ()), self.ROOT]:
       c = child_of.get((node << 32) | token)
       if c is None:
         c = self._new_child(node, token)
       count[c] += 1
+      if key > recent[c]:
+        recent[c] = key
       grown.append(c)
     count[self.ROOT] += 1
     # grown[j] sits at depth len(grown) - j; keep those that can still grow.
@@ -181,7 +212,10 @@ class SuffixTree:
     """Removes every suffix of sequence ``seq_id``; nodes whose count reaches 0 go.
 
     A node's count reaches 0 only once the walks of all its occurrences in this sequence
-    have passed (the count includes them), so no later walk meets a removed node.
+    have passed (the count includes them), so no later walk meets a removed node. The
+    surviving nodes keep their ``recent`` key, which is exact when the removed sequence
+    is the oldest (the global cache's FIFO): a surviving node's latest occurrence is
+    then in a newer sequence.
 
     Raises:
       KeyError: an unknown ``seq_id``.
@@ -229,52 +263,62 @@ class SuffixTree:
         draft = self._speculate_tree(node, budget, min_token_prob)
       else:
         draft = self._speculate_path(node, budget, min_token_prob)
-      if draft.score >= best.score:
+      if draft.better_or_equal(best):
         best = draft
         best.match_len = m
     if not best.tokens:
       best.match_len = 0
     return best
 
+  def _by_count(self, node: int) -> list[tuple[int, int]]:
+    """``[(token, child), ..]`` of ``node``, most frequent first; equal counts: the
+    latest occurrence first."""
+    count, recent = self._count, self._recent
+    return sorted(self.children(node), key=lambda tc: (-count[tc[1]], -recent[tc[1]]))
+
   def _speculate_path(self, node: int, budget: int, min_prob: float) -> SuffixDraft:
     out = SuffixDraft()
-    prob = 1.0
-    count = self._count
+    start = self._count[node]
+    out.score_den = start
     while len(out.tokens) < budget and self._first[node] >= 0:
-      token, child = max(self.children(node), key=lambda tc: count[tc[1]])  # first max
-      prob *= count[child] / count[node]
+      token, child = max(self.children(node),
+                         key=lambda tc: (self._count[tc[1]], self._recent[tc[1]]))
+      prob = self._count[child] / start
       if prob < min_prob:
         break
       out.parents.append(len(out.tokens) - 1)
       out.tokens.append(token)
       out.probs.append(prob)
-      out.score += prob
+      out.score_num += self._count[child]
       node = child
+    out.score = out.score_num / start
     return out
 
   def _speculate_tree(self, node: int, budget: int, min_prob: float) -> SuffixDraft:
     out = SuffixDraft()
     heap: list = []
     tie = 0  # equal probabilities pop first-pushed first (deterministic)
-    count = self._count
+    start = self._count[node]
+    out.score_den = start
 
-    def push(parent, parent_prob, parent_index):
+    def push(parent, parent_index):
       nonlocal tie
-      for token, child in sorted(self.children(parent), key=lambda tc: -count[tc[1]]):
-        p = parent_prob * count[child] / count[parent]
+      for token, child in self._by_count(parent):
+        p = self._count[child] / start
         if p < min_prob:
           break
         heapq.heappush(heap, (-p, tie, token, child, parent_index))
         tie += 1
 
-    push(node, 1.0, -1)
+    push(node, -1)
     while heap and len(out.tokens) < budget:
       neg_p, _, token, child, parent = heapq.heappop(heap)
       out.tokens.append(token)
       out.parents.append(parent)
       out.probs.append(-neg_p)
-      out.score += -neg_p
-      push(child, -neg_p, len(out.tokens) - 1)
+      out.score_num += self._count[child]
+      push(child, len(out.tokens) - 1)
+    out.score = out.score_num / start
     return out
 
 
@@ -343,6 +387,21 @@ class SuffixDecoding(Method):
       does not expose it).
     min_token_prob: drafting stops below this estimated probability; vLLM 0.1.
     tree: best-first token trees instead of paths (Arctic ``use_tree_spec``).
+    device: path drafts on the device, fused into the engine step
+      (``methods.suffix_device``: asynchronous iterations, no host work per step; the
+      same drafts as the host trees); False, or ``tree=True``, drafts on the host.
+    device_cache_tokens: the device global cache's archive of finished responses, in
+      tokens (G); running responses are read from the engine's slots. Once the
+      archive wraps, the oldest responses are overwritten (the host tree keeps
+      ``max_cached_requests`` responses whatever their length), so device and host
+      drafts are the same while the cached responses fit in G tokens. Two more
+      differences: a preempted request's response continues as a new response on the
+      device (one on the host), and requests that join a running batch evict the
+      oldest responses (``max_cached_requests``) before the step on the device, row by
+      row during it on the host (only a FIFO smaller than the batch can tell).
+
+  Raises:
+    ValueError: an option out of range (named in the message).
   """
 
   name = "suffix"
@@ -353,6 +412,8 @@ class SuffixDecoding(Method):
   max_spec_offset: float = 0.0
   min_token_prob: float = 0.1
   tree: bool = False
+  device: bool = True
+  device_cache_tokens: int = 8192
 
   def __post_init__(self):
     if not isinstance(self.k, int) or self.k < 1:
@@ -373,13 +434,54 @@ class SuffixDecoding(Method):
       raise ValueError(f"min_token_prob={self.min_token_prob!r} must be in [0, 1]")
     if not isinstance(self.tree, bool):
       raise ValueError(f"tree={self.tree!r} must be True or False")
+    if not isinstance(self.device, bool):
+      raise ValueError(f"device={self.device!r} must be True (fused, on the device) or False "
+                       "(host)")
+    if not isinstance(self.device_cache_tokens, int) or self.device_cache_tokens < 2:
+      raise ValueError(f"device_cache_tokens={self.device_cache_tokens!r} must be an int >= 2")
 
   @property
   def num_speculative_tokens(self) -> int:
     return self.k
 
   def capabilities(self) -> Capabilities:
-    return Capabilities(runs_on="host", tree=self.tree)
+    return Capabilities(runs_on="fused" if self.device and not self.tree else "host",
+                        tree=self.tree)
+
+  # ------------------------------------------------------------------ fused path
+  def _device_key(self):
+    return ("device", self)  # the host tree of the same config lives under ``self``
+
+  def init_device(self, runtime):
+    """The device cache kept by the last ``generate`` of this engine (``end_device``),
+    or an empty one."""
+    state = runtime.method_cache.pop(self._device_key(), None)
+    if state is None or state.slot_seq.shape[0] != runtime.max_num_seqs:
+      state = init_suffix_state(runtime.max_num_seqs, self.device_cache_tokens)
+    return SuffixDeviceParams(runtime.target.config.vocab_size), state
+
+  def reset_device(self, params, state, slots, num_tokens):
+    """New requests start their responses (the host's first sight)."""
+    return _reset(state, slots, num_tokens, max_cached_requests=self.max_cached_requests)
+
+  def release_device(self, params, state, slot_tokens, slots, num_tokens):
+    """Finished (or preempted) requests' responses move to the archive."""
+    return _release(state, slot_tokens, slots, num_tokens)
+
+  def end_device(self, runtime, params, state) -> None:
+    runtime.method_cache[self._device_key()] = state
+
+  def propose_device(self, params: SuffixDeviceParams, state, rows, *, all_greedy):
+    corpus = None
+    if self.max_cached_requests != 0:
+      corpus = global_corpus(state, rows.slot_tokens, rows.slot_num_tokens,
+                             self.max_cached_requests)
+    tokens, num = suffix_draft_device(
+        rows.tokens, rows.num_tokens, rows.budgets, corpus, k=self.k,
+        depth=self.max_tree_depth,
+        caps=spec_caps(self.max_tree_depth, self.max_spec_factor, self.max_spec_offset),
+        min_token_prob=self.min_token_prob, vocab_size=params.vocab_size)
+    return state, DeviceDraft(tokens, num)
 
   def init_state(self, runtime) -> SuffixState:
     cache = runtime.method_cache.get(self)
@@ -409,7 +511,7 @@ class SuffixDecoding(Method):
         best.source = "local" if best.tokens else ""
         if self.max_cached_requests != 0:
           other = state.cache.tree.speculate(seq, *args)
-          if other.score > best.score:
+          if not best.better_or_equal(other):  # strictly better: ties stay local
             best, best.source = other, "global"
       state.signals[rid] = best
       drafts.append(best)
@@ -447,3 +549,7 @@ class SuffixDecoding(Method):
       state.requests.pop(rid, None)
       state.signals.pop(rid, None)
     return state
+
+
+_reset = jax.jit(reset_slots, static_argnames=("max_cached_requests",), donate_argnames=("state",))
+_release = jax.jit(release_slots, donate_argnames=("state",))

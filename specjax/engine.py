@@ -312,6 +312,7 @@ class Engine:
     if self.mesh is not None:  # a draft's KV pool, a head's weights: onto the mesh
       method_state = sharding.place_state(method_state, self.mesh, self.target.config,
                                           sharded=cfg.draft_sharding == "sharded")
+    self._released: list[tuple[int, int]] = []
     if self.fused:
       self._pparams, self._pstate = self.method.init_device(self.runtime)
       if self.mesh is not None:
@@ -349,6 +350,9 @@ class Engine:
         self._drain(sched, metrics, start)
         method_state = self._host_step(sched, method_state, metrics, start, seen_by_method)
     self._drain(sched, metrics, start)
+    if self.fused:
+      self._flush_released()
+      self.method.end_device(self.runtime, self._pparams, self._pstate)
     metrics.wall_s = time.perf_counter() - start
     c1, s1 = CompileMonitor.snapshot()
     metrics.num_compiles, metrics.compile_s = c1 - c0, s1 - s0
@@ -395,6 +399,7 @@ class Engine:
 
   def _assign_slots(self, rows: list[RequestState]) -> None:
     """Gives decode-ready rows without a slot one, and writes their state (one call)."""
+    self._flush_released()
     fresh = [st for st in rows if st.slot is None]
     if fresh:
       for st in fresh:
@@ -407,8 +412,22 @@ class Engine:
         lens[: len(fresh)] = [len(st.tokens) for st in fresh]
         self._pstate = self.method.reset_device(self._pparams, self._pstate, slots, lens)
 
+  def _flush_released(self) -> None:
+    """Hands the slots given up since the last call to the fused proposer
+    (``Method.release_device``, one call), before any of them is written again."""
+    if not self._released:
+      return
+    n = padded_rows(len(self._released))
+    slots, lens = np.full(n, -1, np.int32), np.zeros(n, np.int32)
+    slots[: len(self._released)], lens[: len(self._released)] = zip(*self._released)
+    self._released = []
+    self._pstate = self.method.release_device(self._pparams, self._pstate, self.slots.tokens,
+                                              slots, lens)
+
   def _release(self, sched: Scheduler, st: RequestState, *, preempted: bool = False) -> None:
     if st.slot is not None:
+      if self.fused:
+        self._released.append((st.slot, len(st.tokens)))
       self._slot_free.free(st.slot)
       st.slot = None
     st.inflight_tokens = 0

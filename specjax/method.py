@@ -177,6 +177,9 @@ class DeviceRows:
     budgets: ``i32[B]`` the most draft tokens the row may get (0 for inactive rows).
     page_indices: ``i32[B, W]`` the target's page table of the step.
     temperature, top_p: ``f32[B]``; top_k: ``i32[B]``; keys: ``u32[B, 2]``.
+    slot_tokens: ``i32[S, M]`` every decode slot's tokens (``specjax.slots.SlotState``),
+      rows of this step or not, e.g. for a cache over all running requests.
+    slot_num_tokens: ``i32[S]`` their committed lengths.
   """
 
   slots: jax.Array
@@ -189,6 +192,8 @@ class DeviceRows:
   top_k: jax.Array
   top_p: jax.Array
   keys: jax.Array
+  slot_tokens: jax.Array
+  slot_num_tokens: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -284,6 +289,18 @@ class Method(abc.ABC):
     ``num_tokens i32[n]``; -1 slots are padding). Returns the new state; default:
     unchanged."""
     return state
+
+  def release_device(self, params: Any, state: Any, slot_tokens, slots, num_tokens) -> Any:
+    """Called when decode slots are given up (their requests finished or were
+    preempted), before a slot is written again: ``slot_tokens i32[S, M]`` the slots'
+    tokens, ``slots i32[n]`` (-1: padding), ``num_tokens i32[n]`` each request's final
+    committed length as the host has it (stop strings applied). Returns the new state;
+    default: unchanged."""
+    return state
+
+  def end_device(self, runtime: RuntimeInfo, params: Any, state: Any) -> None:
+    """Called when ``generate`` (or ``precompile``) ends, with the fused state; e.g. to
+    keep a cache for the next call in ``runtime.method_cache``. Default: nothing."""
 
   def describe(self) -> dict:
     """Flat dict of the config, recorded in result rows."""

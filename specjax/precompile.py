@@ -102,6 +102,9 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
     if engine.fused:
       engine._pstate = engine.method.reset_device(engine._pparams, engine._pstate,
                                                   np.full(n, -1, np.int32), np.zeros(n, np.int32))
+      engine._pstate = engine.method.release_device(engine._pparams, engine._pstate,
+                                                    engine.slots.tokens, np.full(n, -1, np.int32),
+                                                    np.zeros(n, np.int32))
 
   decode = []
   if steps_run:
@@ -147,6 +150,8 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
                                                     meta, tuple(hidden))
   if results is not None:
     jax.block_until_ready(results)
+  if engine.fused:  # padding calls change no proposer state: hand it back unchanged
+    engine.method.end_device(engine.runtime, engine._pparams, engine._pstate)
   return len(decode) + len(prefill)
 
 

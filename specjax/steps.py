@@ -330,7 +330,8 @@ def _iteration(plan: StepPlan, proposer, graphdef, params, proposer_params, batc
     view = DeviceRows(slots=batch.slots, active=active, tokens=rows["tokens"], num_tokens=n_tok,
                       budgets=budgets, page_indices=batch.page_indices,
                       temperature=rows["temperature"], top_k=rows["top_k"], top_p=rows["top_p"],
-                      keys=rows["keys"])
+                      keys=rows["keys"], slot_tokens=slots.tokens,
+                      slot_num_tokens=slots.num_tokens)
     pstate, draft = proposer.propose_device(proposer_params, pstate, view,
                                             all_greedy=plan.sampler == "greedy")
     source, num_draft = draft.tokens[:, :length], draft.num_tokens

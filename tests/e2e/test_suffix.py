@@ -10,6 +10,7 @@ response, so stops, EOS and length limits land inside accepted runs.
 import numpy as np
 import pytest
 from e2e_lib import (
+    ENGINE_CONFIG,
     MAX_MODEL_LEN,
     K,
     check_counters,
@@ -60,7 +61,7 @@ def test_global_cache_options(make_engine, reference):
   trees only). max_cached_requests=1: only the newest response stays cached (FIFO)."""
   requests = make_requests(3, 8)
   expected = reference(requests)
-  off = SuffixDecoding(k=K, max_cached_requests=0)
+  off = SuffixDecoding(k=K, max_cached_requests=0, device=False)
   engine = make_engine(off)
   passes = [engine.generate(requests) for _ in range(2)]
   for outputs, _ in passes:
@@ -68,7 +69,7 @@ def test_global_cache_options(make_engine, reference):
   assert _totals(passes[0][1]) == _totals(passes[1][1])
   assert engine.runtime.method_cache[off].tree.count([]) == 0
 
-  one = SuffixDecoding(k=K, max_cached_requests=1)
+  one = SuffixDecoding(k=K, max_cached_requests=1, device=False)
   engine = make_engine(one)
   outputs, _ = engine.generate(requests)
   assert [o.output_token_ids for o in outputs] == expected
@@ -76,9 +77,54 @@ def test_global_cache_options(make_engine, reference):
   assert len(cache.order) == 1 and cache.tree.num_sequences == 1
   # All 8 rows start in the first step, in request order: the last one is kept.
   assert cache.tree.count([]) == len(outputs[-1].output_token_ids)
-  unlimited = make_engine(SuffixDecoding(k=K))
+  unlimited = make_engine(SuffixDecoding(k=K, device=False))
   unlimited.generate(requests)
   assert unlimited.runtime.method_cache[unlimited.method].tree.num_sequences == len(requests)
+
+
+def _request_counters(outputs):
+  return [(o.num_steps, o.num_draft_tokens, o.num_accepted_tokens) for o in outputs]
+
+
+# Not queue12 with one cached response: the host evicts at each new request's first
+# sight, row by row inside a step, the device once per step (a documented difference
+# that only a FIFO smaller than the running requests can show).
+_FUSED_CASES = [pytest.param(w, c, id=f"{w}-{c}", marks=() if (w, c) == ("batch3", 0)
+                             else pytest.mark.slow)
+                for w in ("batch1", "batch3", "queue12") for c in (0, 1, 2)
+                if (w, c) != ("queue12", 1)]
+
+
+@pytest.mark.parametrize("workload, cached", _FUSED_CASES)
+def test_fused_suffix_equals_host_suffix(make_engine, reference, workload, cached):
+  """The device drafter (the default) against the host trees: the same outputs and
+  per-request counters over two passes on one engine (the second drafts from the
+  first's responses, in the device archive), for an unlimited, a one-response
+  (``max_cached_requests=1``) and no global cache. Synchronous, one iteration per call,
+  so requests join at the same steps (async scheduling lets a queued request join a step
+  later, and the global cache then holds other tokens when it drafts)."""
+  requests = make_requests(*WORKLOADS[workload])
+  expected = reference(requests)
+  limit = (-1, 1, 0)[cached]
+  sync = ENGINE_CONFIG.replace(steps_per_dispatch=1, async_scheduling=False)
+  host = make_engine(SuffixDecoding(k=K, max_cached_requests=limit, device=False), sync)
+  fused = make_engine(SuffixDecoding(k=K, max_cached_requests=limit), sync)
+  assert fused.fused and not host.fused
+  drafted = 0
+  for _ in range(2):
+    h_out, _ = host.generate(requests)
+    f_out, f_met = fused.generate(requests)
+    assert [o.output_token_ids for o in f_out] == expected
+    assert [o.output_token_ids for o in h_out] == expected
+    assert _request_counters(f_out) == _request_counters(h_out)
+    check_counters(f_met, f_out, K)
+    drafted += sum(o.num_accepted_tokens for o in f_out)
+  if limit == -1:  # the second pass finds the first's responses
+    assert drafted > 0
+  if workload == "batch3":  # the default (async, several iterations per call) too
+    out, met = make_engine(SuffixDecoding(k=K, max_cached_requests=limit)).generate(requests)
+    assert [o.output_token_ids for o in out] == expected
+    check_counters(met, out, K)
 
 
 # ---------------------------------------------------------------- stops (G4)

@@ -38,30 +38,45 @@ def test_depth_bounds_the_indexed_strings():
 
 def test_path_draft_probabilities():
   t = SuffixTree(24)
-  t.extend(0, [A, B, A, B, C])
-  # m = 1 (node B: children A, C of count 1 each out of 2): budget floor(1 * 1.0) = 1.
+  t.extend(0, [A, B, A, B, C, A, B, A])
+  # m = 1 (node B, count 3: children A 2, C 1): budget floor(1 * 1.0) = 1 -> A, p 2/3.
+  # m = 2 (node A B, count 3): A (2 of 3), then under A B A (count 2: child B 1) B with
+  # p = 1/3 (the probabilities telescope: count(A B A B) / count(A B)); score 3/3.
   d = _spec(t, [D, A, B], 4)
-  # m = 2 (node A B, count 2): A with p 1/2, then B (count 1 of 1) keeps p = 1/2.
-  assert d.tokens == [A, B] and d.parents == [-1, 0] and d.probs == [0.5, 0.5]
-  assert d.score == 1.0 and d.match_len == 2
-  # The offset lets a 1-token match draft 3 tokens: B -> A (1/2) -> B (1/2) -> C (1/2).
+  assert d.tokens == [A, B] and d.parents == [-1, 0] and d.probs == [2 / 3, 1 / 3]
+  assert d.score == 1.0 and (d.score_num, d.score_den) == (3, 3) and d.match_len == 2
+  # The offset lets a 1-token match draft 3 tokens: B -> A (2/3) -> B (1/3) -> C (1/3).
   d = _spec(t, [D, B], 4, max_spec_offset=2.0)
-  assert d.tokens == [A, B, C] and d.score == 1.5 and d.match_len == 1
-  # A higher min_token_prob stops before the first 1/2 step.
-  assert _spec(t, [D, A, B], 4, min_token_prob=0.6).tokens == []
+  assert d.tokens == [A, B, C] and (d.score_num, d.score_den) == (4, 3) and d.match_len == 1
+  # min_token_prob 0.6 stops m = 2 after A (2/3): a tie with m = 1's draft, so the longer
+  # match wins; 0.7 stops before the first token.
+  d = _spec(t, [D, A, B], 4, min_token_prob=0.6)
+  assert d.tokens == [A] and d.match_len == 2
+  assert _spec(t, [D, A, B], 4, min_token_prob=0.7).tokens == []
   # Nothing matches: an empty draft.
   d = _spec(t, [D, D], 4)
   assert d.tokens == [] and d.score == 0.0 and d.match_len == 0
 
 
-def test_most_frequent_child_and_budget():
+def test_most_frequent_child_and_count_ties():
   t = SuffixTree(24)
   t.extend(0, [A, B, A, C, A, C, A, D])
-  # Node A (count 4): children B 1, C 2, D 1 -> C with p 2/4; node A C (2): A (2/2).
+  # m = 1: node A (count 4): children B 1, C 2, D 1 -> C with p 2/4 (budget 1).
+  # m = 2: node C A (count 2): children C and D, 1 each: a tie, which goes to the child
+  # whose latest occurrence is latest (C A D ends at 7, C A C at 5) -> D, p 1/2. Its
+  # score 1/2 ties m = 1's, and the longer match wins.
   d = _spec(t, [B, C, A], 2)
-  assert d.tokens[0] == C and d.probs[0] == 0.5
-  assert len(d.tokens) == 2 and d.tokens[1] == A  # budget min(k=2, floor(m)) = 2 at m = 2
+  assert d.tokens == [D] and d.probs == [0.5] and d.match_len == 2
+  assert _spec(t, [B, C, A], 1, max_spec_factor=0.0, max_spec_offset=1.0).tokens == [D]
   assert _spec(t, [B, C, A], 0).tokens == []
+
+
+def test_count_ties_across_sequences_go_to_the_newest():
+  t = SuffixTree(24)
+  t.extend(3, [A, B])
+  t.extend(5, [A, C])
+  t.extend(3, [A, D])  # later in time, but sequence 3 is older than 5
+  assert _spec(t, [D, A], 1).tokens == [C]
 
 
 def test_tree_draft_best_first():
@@ -69,12 +84,12 @@ def test_tree_draft_best_first():
   t = SuffixTree(24)
   t.extend(0, [A, B, C, A, B, D, A, B, C, A, e])
   # Context ".. A B C A":
-  #   m = 1 (node A, count 4): B 3/4 (budget 1)                       -> score 0.75
-  #   m = 2 (node C A, count 2): B 1/2, E 1/2 (budget 2)             -> score 1.0
-  #   m = 3 (node B C A, count 2): B 1/2, E 1/2, then D under B (1/2) -> score 1.5
+  #   m = 1 (node A, count 4): B 3/4 (budget 1)                        -> score 0.75
+  #   m = 2 (node C A, count 2): E 1/2, B 1/2 (E's occurrence is later) -> score 1.0
+  #   m = 3 (node B C A, count 2): E 1/2, B 1/2, then D under B (1/2)   -> score 1.5
   d = _spec(t, [A, B, C, A], 4, use_tree=True)
   assert d.match_len == 3
-  assert d.tokens == [B, e, D] and d.parents == [-1, -1, 0]
+  assert d.tokens == [e, B, D] and d.parents == [-1, -1, 1]
   assert d.probs == [0.5, 0.5, 0.5] and d.score == 1.5
   # Pruning: min_token_prob 0.6 leaves only m = 1's B.
   d = _spec(t, [A, B, C, A], 4, use_tree=True, min_token_prob=0.6)
