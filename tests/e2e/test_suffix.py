@@ -108,7 +108,10 @@ def test_fused_suffix_equals_host_suffix(make_engine, reference, workload, cache
   limit = (-1, 1, 0)[cached]
   sync = ENGINE_CONFIG.replace(steps_per_dispatch=1, async_scheduling=False)
   host = make_engine(SuffixDecoding(k=K, max_cached_requests=limit, device=False), sync)
-  fused = make_engine(SuffixDecoding(k=K, max_cached_requests=limit), sync)
+  # An archive that holds both passes' responses (the default, 8 x max_model_len = 256
+  # tokens here, would wrap in the second pass of queue12 and then draft otherwise).
+  fused = make_engine(SuffixDecoding(k=K, max_cached_requests=limit,
+                                     device_cache_tokens=4096), sync)
   assert fused.fused and not host.fused
   drafted = 0
   for _ in range(2):

@@ -148,3 +148,6 @@ def test_method_is_fused_by_default_and_host_for_trees():
   with pytest.raises(ValueError, match="device_cache_tokens"):
     SuffixDecoding(device_cache_tokens=0)
   assert SuffixDraft().better_or_equal(SuffixDraft())
+  assert SuffixDecoding().archive_tokens(32) == 256
+  assert SuffixDecoding().archive_tokens(4096) == 8192
+  assert SuffixDecoding(device_cache_tokens=100).archive_tokens(4096) == 100
