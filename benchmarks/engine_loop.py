@@ -201,7 +201,7 @@ def _method(drafter: str, length: int):
   if drafter == "suffix":  # suffix decoding's device drafter (fused): its cost in the step
     from methods.suffix import SuffixDecoding  # noqa: PLC0415
 
-    return SuffixDecoding(k=length)
+    return SuffixDecoding(k=length, device=True)
   return ConstantDrafter(k=length, device=drafter == "constant")
 
 

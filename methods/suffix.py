@@ -387,9 +387,13 @@ class SuffixDecoding(Method):
       does not expose it).
     min_token_prob: drafting stops below this estimated probability; vLLM 0.1.
     tree: best-first token trees instead of paths (Arctic ``use_tree_spec``).
-    device: path drafts on the device, fused into the engine step
+    device: True: path drafts on the device, fused into the engine step
       (``methods.suffix_device``: asynchronous iterations, no host work per step; the
-      same drafts as the host trees); False, or ``tree=True``, drafts on the host.
+      same drafts as the host trees); False, or ``tree=True``: drafts on the host. None
+      (default): on the device unless JAX's default backend is the CPU, where the
+      dense device drafter costs more than the host trie (SmolLM2 on this project's
+      2-core box: c 3.8 fused vs 1.6 host, one run each). ``describe()`` records the
+      resolved ``runs_on``.
     device_cache_tokens: the device global cache's archive of finished responses, in
       tokens (G); running responses are read from the engine's slots. None (default):
       ``min(8192, 8 * max_model_len)``; the drafter's work per step grows linearly with
@@ -416,7 +420,7 @@ class SuffixDecoding(Method):
   max_spec_offset: float = 0.0
   min_token_prob: float = 0.1
   tree: bool = False
-  device: bool = True
+  device: bool | None = None
   device_cache_tokens: int | None = None
 
   def __post_init__(self):
@@ -438,9 +442,9 @@ class SuffixDecoding(Method):
       raise ValueError(f"min_token_prob={self.min_token_prob!r} must be in [0, 1]")
     if not isinstance(self.tree, bool):
       raise ValueError(f"tree={self.tree!r} must be True or False")
-    if not isinstance(self.device, bool):
-      raise ValueError(f"device={self.device!r} must be True (fused, on the device) or False "
-                       "(host)")
+    if self.device is not None and not isinstance(self.device, bool):
+      raise ValueError(f"device={self.device!r} must be True (fused, on the device), False "
+                       "(host) or None (the device unless JAX's backend is the CPU)")
     if self.device_cache_tokens is not None and (not isinstance(self.device_cache_tokens, int)
                                                  or self.device_cache_tokens < 2):
       raise ValueError(f"device_cache_tokens={self.device_cache_tokens!r} must be None or an "
@@ -451,10 +455,14 @@ class SuffixDecoding(Method):
     return self.k
 
   def capabilities(self) -> Capabilities:
-    return Capabilities(runs_on="fused" if self.device and not self.tree else "host",
+    device = self.device if self.device is not None else jax.default_backend() != "cpu"
+    return Capabilities(runs_on="fused" if device and not self.tree else "host",
                         tree=self.tree)
 
   # ------------------------------------------------------------------ fused path
+  def describe(self) -> dict:
+    return {**super().describe(), "runs_on": self.capabilities().runs_on}
+
   def archive_tokens(self, max_model_len: int) -> int:
     """G, the device archive's size for an engine of this ``max_model_len``."""
     if self.device_cache_tokens is not None:

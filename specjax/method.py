@@ -301,6 +301,7 @@ class Method(abc.ABC):
   def end_device(self, runtime: RuntimeInfo, params: Any, state: Any) -> None:
     """Called when ``generate`` (or ``precompile``) ends, with the fused state; e.g. to
     keep a cache for the next call in ``runtime.method_cache``. Default: nothing."""
+    del runtime, params, state
 
   def describe(self) -> dict:
     """Flat dict of the config, recorded in result rows."""

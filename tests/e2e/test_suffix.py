@@ -26,10 +26,12 @@ from specjax.config import SamplingParams
 from specjax.request import Request
 
 WORKLOADS = {"batch1": (1, 1), "batch3": (2, 3), "batch8": (3, 8), "queue12": (4, 12)}
-_CI = {("path", "queue12"), ("tree", "batch1")}  # the others: slow (compiles dominate)
-_CASES = [pytest.param(tree, w, id=f"{mode}-{w}",
+# Modes: path drafts on the device (fused) and on the host, tree drafts (host).
+_MODES = {"device": (False, True), "path": (False, False), "tree": (True, False)}
+_CI = {("device", "queue12"), ("path", "queue12"), ("tree", "batch1")}  # others: slow
+_CASES = [pytest.param(*_MODES[mode], w, id=f"{mode}-{w}",
                        marks=() if (mode, w) in _CI else pytest.mark.slow)
-          for tree, mode in ((False, "path"), (True, "tree")) for w in WORKLOADS]
+          for mode in _MODES for w in WORKLOADS]
 
 
 def _totals(metrics):
@@ -37,10 +39,11 @@ def _totals(metrics):
           sum(s.num_accepted for s in metrics.steps))
 
 
-@pytest.mark.parametrize("tree, workload", _CASES)
-def test_greedy_suffix_equals_ar_twice(make_engine, reference, tree, workload):
+@pytest.mark.parametrize("tree, device, workload", _CASES)
+def test_greedy_suffix_equals_ar_twice(make_engine, reference, tree, device, workload):
   requests = make_requests(*WORKLOADS[workload])
-  engine = make_engine(SuffixDecoding(k=K, tree=tree))
+  engine = make_engine(SuffixDecoding(k=K, tree=tree, device=device))
+  assert engine.fused == device
   expected = reference(requests)
   totals = []
   for _ in range(2):
@@ -110,7 +113,7 @@ def test_fused_suffix_equals_host_suffix(make_engine, reference, workload, cache
   host = make_engine(SuffixDecoding(k=K, max_cached_requests=limit, device=False), sync)
   # An archive that holds both passes' responses (the default, 8 x max_model_len = 256
   # tokens here, would wrap in the second pass of queue12 and then draft otherwise).
-  fused = make_engine(SuffixDecoding(k=K, max_cached_requests=limit,
+  fused = make_engine(SuffixDecoding(k=K, max_cached_requests=limit, device=True,
                                      device_cache_tokens=4096), sync)
   assert fused.fused and not host.fused
   drafted = 0
@@ -125,7 +128,8 @@ def test_fused_suffix_equals_host_suffix(make_engine, reference, workload, cache
   if limit == -1:  # the second pass finds the first's responses
     assert drafted > 0
   if workload == "batch3":  # the default (async, several iterations per call) too
-    out, met = make_engine(SuffixDecoding(k=K, max_cached_requests=limit)).generate(requests)
+    out, met = make_engine(SuffixDecoding(k=K, max_cached_requests=limit, device=True)
+                           ).generate(requests)
     assert [o.output_token_ids for o in out] == expected
     check_counters(met, out, K)
 
@@ -138,7 +142,8 @@ def _firsts(cont, upto=12):
   return [s for s in range(1, upto) if cont[s] not in cont[:s]]
 
 
-def test_stops_inside_accepted_runs(make_engine, reference):
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_stops_inside_accepted_runs(make_engine, reference, device):
   warm = Request("warm", PROMPT, SamplingParams(max_tokens=26, ignore_eos=True))
   cont = reference([warm])[0]
   firsts = _firsts(cont)
@@ -159,7 +164,7 @@ def test_stops_inside_accepted_runs(make_engine, reference):
        Request("ignore_eos", PROMPT, SamplingParams(max_tokens=26, ignore_eos=True)),
        Request("max_model_len", tuple(range(3, 23)), SamplingParams(max_tokens=40))],
   ]
-  method = SuffixDecoding(k=K, max_spec_offset=float(K))
+  method = SuffixDecoding(k=K, max_spec_offset=float(K), device=device)
   sd = make_engine(method, eos_token_ids=(cont[eos_at],))
   ar = make_engine(make_method("ar"), eos_token_ids=(cont[eos_at],))
   sd.generate([warm])  # caches the continuation (ignore_eos) in the global tree
@@ -208,14 +213,16 @@ def _repeat_prompt(target):
 
 
 @pytest.mark.slow  # ~30 s on a 2-core CPU
-def test_two_token_distribution_matches_target(make_engine, target):
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_two_token_distribution_matches_target(make_engine, target, device):
   """Sampled suffix SD (one-hot q) keeps the target's joint law of the first two tokens
   (temperature + top-k), computed exactly from the uncached forward."""
   prompt = _repeat_prompt(target)
   requests = [Request(f"d{i}", prompt,
                       SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=2))
               for i in range(NUM_SAMPLES)]
-  outputs, metrics = make_engine(SuffixDecoding(k=K, max_cached_requests=0)).generate(requests)
+  outputs, metrics = make_engine(SuffixDecoding(k=K, max_cached_requests=0, device=device)
+                                 ).generate(requests)
   check_counters(metrics, outputs, K)
   drafted, accepted = _totals(metrics)
   assert 0 < accepted < drafted  # both acceptance and rejection ran
@@ -232,13 +239,14 @@ def test_two_token_distribution_matches_target(make_engine, target):
 
 
 @pytest.mark.slow  # sampler compiles at several batch buckets
-def test_seeded_request_ignores_partners_without_global_cache(make_engine):
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_seeded_request_ignores_partners_without_global_cache(make_engine, device):
   """G3 with local trees only: a row's drafts depend on its own tokens alone. (With the
   global tree a partner's response can change a seeded row's draft and hence its exact
   sample, as in vLLM/Arctic; the law stays the target's.)"""
   seeded = Request("seeded", (7, 21, 3, 7, 21, 3, 7, 21),
                    SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12))
-  engine = make_engine(SuffixDecoding(k=K, max_cached_requests=0))
+  engine = make_engine(SuffixDecoding(k=K, max_cached_requests=0, device=device))
   alone = engine.generate([seeded])[0][0].output_token_ids
   partners = make_requests(9, 5, prefix="p", temperature=0.8, seed=3)
   for batch in ([*partners[:2], seeded], [seeded, *partners]):

@@ -141,10 +141,13 @@ def test_release_wraps_to_the_archive_start():
   assert list(np.asarray(state.slot_seq)) == [-1, -1]
 
 
-def test_method_is_fused_by_default_and_host_for_trees():
-  assert SuffixDecoding().capabilities().runs_on == "fused"
+def test_method_runs_fused_off_the_cpu_and_host_for_trees():
+  auto = "host" if jax.default_backend() == "cpu" else "fused"
+  assert SuffixDecoding().capabilities().runs_on == auto
+  assert SuffixDecoding().describe()["runs_on"] == auto
+  assert SuffixDecoding(device=True).capabilities().runs_on == "fused"
   assert SuffixDecoding(device=False).capabilities().runs_on == "host"
-  assert SuffixDecoding(tree=True).capabilities().runs_on == "host"
+  assert SuffixDecoding(tree=True, device=True).capabilities().runs_on == "host"
   with pytest.raises(ValueError, match="device_cache_tokens"):
     SuffixDecoding(device_cache_tokens=0)
   assert SuffixDraft().better_or_equal(SuffixDraft())
