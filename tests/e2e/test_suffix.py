@@ -181,8 +181,10 @@ def test_stops_inside_accepted_runs(make_engine, reference, device):
       kind, _, arg = rid.partition("@")
       if kind == "stop_id":
         assert o.output_token_ids == cont[: int(arg) + 1] and o.finish_reason == "stop"
-      if rid != "max_model_len" and len(o.output_token_ids) > 2:
-        # Most tokens came from accepted drafts: the stop ended an accepted run.
+      if rid != "max_model_len" and len(o.output_token_ids) > 3:
+        # Most tokens came from accepted drafts: the stop ended an accepted run. (Not for
+        # 3 tokens: after one output token the cached continuation's first token
+        # repeats, a count tie that the latest occurrence breaks the other way.)
         assert o.num_accepted_tokens >= len(o.output_token_ids) // 2, rid
     if "eos" in by_id:
       assert by_id["eos"].output_token_ids == cont[: eos_at + 1]
