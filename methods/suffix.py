@@ -64,6 +64,12 @@ from specjax.method import Capabilities, DeviceDraft, Draft, Method, ProposeCont
 __all__ = ["GlobalCache", "SuffixDecoding", "SuffixDraft", "SuffixState", "SuffixTree"]
 
 
+def _f32_at_least(count: int, start: int, min_prob: float) -> bool:
+  """``count / start >= min_prob`` as the device tests it: an IEEE f32 division and compare
+  (so a ``min_prob`` within an f32 rounding step of a count ratio decides alike)."""
+  return bool(np.float32(count) / np.float32(start) >= np.float32(min_prob))
+
+
 @dataclasses.dataclass
 class SuffixDraft:
   """One row's suffix draft (host lists).
@@ -284,7 +290,7 @@ class SuffixTree:
       token, child = max(self.children(node),
                          key=lambda tc: (self._count[tc[1]], self._recent[tc[1]]))
       prob = self._count[child] / start
-      if prob < min_prob:
+      if not _f32_at_least(self._count[child], start, min_prob):
         break
       out.parents.append(len(out.tokens) - 1)
       out.tokens.append(token)
@@ -305,7 +311,7 @@ class SuffixTree:
       nonlocal tie
       for token, child in self._by_count(parent):
         p = self._count[child] / start
-        if p < min_prob:
+        if not _f32_at_least(self._count[child], start, min_prob):
           break
         heapq.heappush(heap, (-p, tie, token, child, parent_index))
         tie += 1

@@ -22,8 +22,10 @@ For every match length m at once (axis ``T = D - 1``):
   continues while ``count(child) / c0 >= min_token_prob`` (the probability telescopes),
   for at most ``min(budget, floor(m * factor + offset), D - m)`` tokens.
 * the draft of m scores ``sum(count) / c0``; the best score wins (ties: the longer
-  match), compared exactly as ``a * d >= c * b`` in u32 (exact while ``4 c0^2 < 2^32``,
-  i.e. every count below 32,768).
+  match), compared exactly as fractions: whole parts first, then the remainders
+  cross-multiplied in u32 (exact while every count is below 65,536).
+* the probability test ``count / c0 >= min_token_prob`` is an IEEE f32 division and
+  compare, as the host does it (``_f32_at_least``).
 
 The local corpus of a row is its own history; the global corpus is the responses of the
 device cache (finished ones in an archive ring, running ones read from the engine's
@@ -47,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SuffixDeviceParams", "SuffixDeviceState", "global_corpus", "init_suffix_state",
+__all__ = ["SuffixDeviceParams", "SuffixDeviceState", "fraction_at_least", "global_corpus", "init_suffix_state",
            "release_slots", "reset_slots", "spec_caps", "suffix_draft_device",
            "suffix_paths_device"]
 
@@ -68,6 +70,16 @@ def _shift(x: jax.Array, s: int) -> jax.Array:
   if s >= 0:
     return jnp.pad(x[..., : n - s], pad + [(s, 0)], constant_values=-1)
   return jnp.pad(x[..., -s:], pad + [(0, -s)], constant_values=-1)
+
+
+def fraction_at_least(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array) -> jax.Array:
+  """``a / b >= c / d`` exactly for non-negative ints with ``1 <= b, d < 65536``: whole
+  parts compared, then the remainders cross-multiplied (``< 2^32`` in u32)."""
+  b, d = jnp.maximum(b, 1), jnp.maximum(d, 1)
+  qa, ra = a // b, a % b
+  qc, rc = c // d, c % d
+  u = lambda x: x.astype(jnp.uint32)
+  return (qa > qc) | ((qa == qc) & (u(ra) * u(d) >= u(rc) * u(b)))
 
 
 def _context(tokens: jax.Array, num_tokens: jax.Array, depth: int):
@@ -141,7 +153,7 @@ def suffix_paths_device(corpus: jax.Array, key_hi: jax.Array, key_lo: jax.Array,
     tie = tie & (lo == top_lo[..., None])
     token = jnp.max(jnp.where(tie, cont[:, None, :], -1), axis=-1)  # one position left
     prob = best.astype(jnp.float32) / jnp.maximum(c0, 1).astype(jnp.float32)
-    ok = going & (best > 0) & (prob >= jnp.float32(min_token_prob))
+    ok = going & (best > 0) & (prob >= np.float32(min_token_prob))
     paths.append(jnp.where(ok, token, -1))
     total = total + jnp.where(ok, best, 0)
     num = num + ok
@@ -152,9 +164,8 @@ def suffix_paths_device(corpus: jax.Array, key_hi: jax.Array, key_lo: jax.Array,
   b_num = jnp.zeros(rows, jnp.int32)
   b_den = jnp.ones(rows, jnp.int32)
   b_m = jnp.full(rows, -1, jnp.int32)
-  u = lambda x: x.astype(jnp.uint32)
   for mi in range(t_max):
-    take = has_child[:, mi] & (u(total[:, mi]) * u(b_den) >= u(b_num) * u(c0[:, mi]))
+    take = has_child[:, mi] & fraction_at_least(total[:, mi], c0[:, mi], b_num, b_den)
     b_num = jnp.where(take, total[:, mi], b_num)
     b_den = jnp.where(take, c0[:, mi], b_den)
     b_m = jnp.where(take, mi, b_m)
@@ -310,8 +321,7 @@ def suffix_draft_device(tokens: jax.Array, num_tokens: jax.Array, budgets: jax.A
     g_tok, g_seq, g_pos = corpus
     g_draft, g_num, g_s, g_d = suffix_paths_device(g_tok[None], g_seq[None], g_pos[None], ctx,
                                                    ctx_len, budgets, **args)
-    u = lambda x: x.astype(jnp.uint32)
-    better = u(g_s) * u(s_den) > u(s_num) * u(g_d)  # strictly: ties stay local
+    better = ~fraction_at_least(s_num, s_den, g_s, g_d)  # strictly: ties stay local
     draft = jnp.where(better[:, None], g_draft, draft)
     num = jnp.where(better, g_num, num)
   return draft, num

@@ -154,3 +154,21 @@ def test_method_runs_fused_off_the_cpu_and_host_for_trees():
   assert SuffixDecoding().archive_tokens(32) == 256
   assert SuffixDecoding().archive_tokens(4096) == 8192
   assert SuffixDecoding(device_cache_tokens=100).archive_tokens(4096) == 100
+
+
+@pytest.mark.parametrize("seq, depth, k, offset, min_prob", [
+    # Counts near 20,000 on a 12-token path: sum(count) * c0 passes 2^32 (u32 products
+    # of whole fractions overflowed here; whole parts and remainders do not).
+    ([0] * 20000, 24, 16, 0.0, 0.1),
+    # min_token_prob one f32 rounding step above a count ratio of 1/4.
+    ([0, 1, 0, 2, 0, 3, 0], 4, 2, 1.0, 0.2500000001),
+])
+def test_large_counts_and_f32_thresholds_equal_host(seq, depth, k, offset, min_prob):
+  tree = SuffixTree(depth)
+  tree.extend(0, seq)
+  want = tree.speculate(seq, k, 1.0, offset, min_prob, False).tokens
+  got, num = suffix_draft_device(np.asarray([seq], np.int32), np.asarray([len(seq)], np.int32),
+                                 np.asarray([k], np.int32), k=k, depth=depth,
+                                 caps=spec_caps(depth, 1.0, offset), min_token_prob=min_prob,
+                                 vocab_size=4)
+  assert list(np.asarray(got)[0, : int(num[0])]) == want
