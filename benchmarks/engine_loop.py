@@ -20,7 +20,7 @@ Per (batch, context, L): ``step_ms`` = mean wall time of the steady (non-compili
 engine steps of a measured run after a warm-up run; ``roofline_ms`` = (weight bytes +
 mean KV bytes read per step) / the device's read bandwidth measured in the same process
 (XLA sum over 2 GiB); ``device_ms`` (``--profile``) = device busy time per step from a
-``jax.profiler`` trace of a third run over the same steps (``benchmarks.device_time``).
+``jax.profiler`` trace of a third run over the same steps (``harness.device_time``).
 
   python -m benchmarks.engine_loop --target=llama3-8b --dtype=bfloat16 \
       --batch_sizes=1,16,64 --contexts=512,4096 --lengths=0,1,2,4,8 --output_dir=$OUT
@@ -50,7 +50,7 @@ import numpy as np
 import pandas as pd
 from absl import app, flags
 
-from benchmarks.device_time import device_busy_seconds, top_host_events, top_ops
+from harness.device_time import device_busy_seconds, top_host_events, top_ops
 from benchmarks.step_cost import _kv_bytes, _param_bytes
 from harness import plots
 from harness.evaluation import MATMUL_PRECISIONS
@@ -116,8 +116,10 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
   ``drafter`` is "constant" (fused), "constant_host", "draft_model" (with the
   ``draft`` shape, random weights) or "suffix" (suffix decoding's fused device drafter:
   the drafts it finds are accepted with the synthetic probabilities, so its tau is
-  what it finds; its step time is the drafter's cost plus a k-wide verify); ``top`` > 0 logs the profiled run's ``top`` device
-  ops per engine step (``benchmarks.device_time.top_ops``, prefill included) and the
+  what it finds; its step time is the drafter's cost plus a k-wide verify) or "eagle3"
+  (a random-weight EAGLE-3 head for the target, fused chain of L head steps; all its
+  drafts are accepted); ``top`` > 0 logs the profiled run's ``top`` device
+  ops per engine step (``harness.device_time.top_ops``, prefill included) and the
   ``top`` Python functions of one more run by own time per step (cProfile) and, with
   ``ops_dir``, writes every op unfolded to ``ops_dir/ops_b{batch}_ctx{context}_L{L}.csv``
   and the host tracks' events (``top_host_events``) to ``host_b{batch}_ctx{context}_L{L}.csv``.
@@ -189,7 +191,7 @@ def _scale_layers(df: pd.DataFrame, full: int) -> pd.DataFrame:
   return df
 
 
-def _method(drafter: str, length: int):
+def _method(drafter: str, length: int, cfg=None):
   if not length:
     from methods.ar import AutoRegressive  # noqa: PLC0415
 
@@ -202,6 +204,11 @@ def _method(drafter: str, length: int):
     from methods.suffix import SuffixDecoding  # noqa: PLC0415
 
     return SuffixDecoding(k=length, device=True)
+  if drafter == "eagle3":  # a random EAGLE-3 head's fused chain: L head steps in the step
+    from methods.eagle3 import Eagle3  # noqa: PLC0415
+    from models.heads import default_eagle3_layers  # noqa: PLC0415
+
+    return Eagle3(k=length, feature_layers=default_eagle3_layers(cfg.num_layers))
   return ConstantDrafter(k=length, device=drafter == "constant")
 
 
@@ -225,7 +232,7 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
             max_num_batched_tokens=max(512, min(8192, batch * context)),
             synthetic_acceptance=(1.0,) if length else None, mesh=mesh,
             steps_per_dispatch=steps_per_dispatch)
-        method = _method(drafter, length)
+        method = _method(drafter, length, cfg)
         engine = Engine(split, method, ecfg, draft=draft_split if length else None)
         sp = SamplingParams(max_tokens=new_tokens * (length + 1), ignore_eos=True)
         reqs = [Request(i, p, sp) for i, p in enumerate(prompts)]
@@ -300,7 +307,7 @@ def _log_python_profile(engine, reqs, length: int, top: int, log) -> None:
         f"ms/step own, {1e3 * cum / per:.4f} cumulative, {calls / per:.2f} calls/step")
 
 
-DRAFTERS = ("constant", "constant_host", "draft_model", "suffix")
+DRAFTERS = ("constant", "constant_host", "draft_model", "suffix", "eagle3")
 _TARGET = flags.DEFINE_string("target", "llama3-8b", f"{list(SHAPES)} or a models.zoo name.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Model dtype.")
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "16", "64"], "Batch sizes.")
@@ -318,7 +325,8 @@ _MESHES = flags.DEFINE_multi_string(
 _DRAFTER = flags.DEFINE_enum("drafter", "constant", list(DRAFTERS),
                               "constant: L copies of the pending token drafted in the fused "
                               "device step; constant_host: on the host; draft_model: a "
-                              "random-weight --draft model.")
+                              "random-weight --draft model; suffix: suffix decoding's device "
+                              "drafter; eagle3: a random EAGLE-3 head's fused chain.")
 _DRAFT = flags.DEFINE_string("draft", "llama3.2-1b", "models.shapes draft of --drafter=draft_model.")
 _STEPS = flags.DEFINE_integer("steps_per_dispatch", EngineConfig.steps_per_dispatch,
                               "Engine iterations per device call.")

@@ -17,7 +17,7 @@ import time
 import jax
 from absl import app, flags
 
-from benchmarks.device_time import top_ops
+from harness.device_time import top_ops
 from benchmarks.step_cost import StepBenchConfig, _Runner
 from models.shapes import SHAPES
 

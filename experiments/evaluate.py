@@ -118,6 +118,9 @@ _SLO_TTFT = flags.DEFINE_float(
 _SLO_TPOT = flags.DEFINE_float(
     "slo_tpot_ms", None, "TPOT service-level objective in ms (goodput, SLO attainment).")
 _PLOTS = flags.DEFINE_boolean("plots", True, "Write figures next to results.csv.")
+_DEVICE_PROFILE = flags.DEFINE_boolean(
+    "device_profile", False, "One more pass per method under jax.profiler: device_ms and "
+    "c_device columns (device time per step; GPU/TPU only) and ops_{method}_b{batch}.csv.")
 _PEER = flags.DEFINE_enum(
     "peer", "none", ["none", "hf"],
     "hf: also run Hugging Face transformers (greedy generate and prompt-lookup decoding) on the "
@@ -192,6 +195,7 @@ def config_from_flags() -> EvalConfig:
       slo_tpot_s=None if _SLO_TPOT.value is None else _SLO_TPOT.value / 1e3,
       plots=_PLOTS.value,
       peer=None if _PEER.value == "none" else _PEER.value,
+      device_profile=_DEVICE_PROFILE.value,
   )
 
 

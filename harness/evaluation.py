@@ -39,6 +39,7 @@ import inspect
 import json
 import math
 import os
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -48,6 +49,7 @@ import numpy as np
 import pandas as pd
 from absl import logging
 
+from harness.device_time import device_busy_seconds, top_ops
 from harness.divergence import divergence, first_divergence
 from harness.kv_memory import method_kv_bytes_per_token
 from harness.reconcile import speedups
@@ -183,6 +185,12 @@ class EvalConfig:
     plots: write the figures of ``harness.plots`` next to ``results.csv``.
     peer: None, or "hf": also run Hugging Face transformers on the same prompt ids
       (``harness.hf_peer``; skipped with a message when torch/transformers are absent).
+    device_profile: after the last repeat of each batch size, one more pass per method
+      under ``jax.profiler`` (``harness.device_time``): rows get ``device_ms`` (device
+      busy time per engine step, prefill wall time subtracted) and ``c_device``
+      (against AR's), so c splits into speculation (device) and host overhead; with
+      ``output_dir``, ``ops_{method}_b{batch}.csv`` lists every device op per step. A
+      GPU/TPU backend only (a CPU trace has no device track).
   """
 
   target: str = "smollm2-135m"
@@ -223,6 +231,7 @@ class EvalConfig:
   slo_tpot_s: float | None = None
   plots: bool = True
   peer: str | None = None
+  device_profile: bool = False
 
   def __post_init__(self):
     methods = tuple(dict.fromkeys(["ar", *self.methods]))
@@ -439,6 +448,9 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
       without a tokenizer and a text dataset.
   """
   t_start = time.perf_counter()
+  if cfg.device_profile and jax.default_backend() == "cpu":
+    raise ValueError("device_profile=True needs a GPU or TPU backend; JAX's backend is 'cpu' "
+                     "(a CPU trace has no device track)")
   if cfg.compilation_cache:
     enable_compilation_cache()
   k = cfg.num_speculative_tokens
@@ -517,7 +529,7 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   ]
   warm_budget = len(warm_requests) * warm_tokens
   passes_tokens = len(cfg.batch_sizes) * len(methods) * (
-      cfg.repeats * budget + int(cfg.warmup) * warm_budget)
+      (cfg.repeats + int(cfg.device_profile)) * budget + int(cfg.warmup) * warm_budget)
   rows: list[dict] = []
   output_records: list[dict] = []
   warmup_s = measure_s = 0.0
@@ -576,6 +588,10 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
               _output_record(name, batch, rep, o, p, diverged, a)
               for o, p, a in zip(outs, prompts, compile_affected(outs, met.compile_windows))
           )
+        if cfg.device_profile and rep == cfg.repeats - 1:
+          bar.start(f"device profile b={batch}", budget * len(engines))
+          _device_profile(engines, rep_requests, rows, batch, cfg.output_dir, bar)
+          bar.finish()
         del engines
       if jax.default_backend() == "cpu":
         # Each held XLA:CPU executable keeps ~6 memory mappings: every method at every
@@ -632,6 +648,32 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
       print(f"wrote {cfg.output_dir}/: results.csv, results.json, categories.csv, "
             "outputs.jsonl" + (", figures (*.png)" if cfg.plots else ""))
   return df
+
+
+def _device_profile(engines: Mapping[str, Engine], requests, rows: list[dict], batch: int,
+                    output_dir: str | None, progress) -> None:
+  """``EvalConfig.device_profile``: one more pass per method under ``jax.profiler``;
+  sets ``device_ms`` (device busy ms per engine step, the pass's prefill wall time
+  subtracted, as ``benchmarks.engine_loop`` does) and ``c_device`` (over AR's) on this
+  batch size's rows, and writes ``ops_{method}_b{batch}.csv`` (every device op: ms and
+  calls per step) under ``output_dir``."""
+  device_ms = {}
+  for name, engine in engines.items():
+    engine.runtime.method_cache.clear()  # as after the warm-up: no carried responses
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir):
+        _, met = engine.generate(requests, progress=progress)
+      steps = max(1, len(met.steps))
+      device_ms[name] = 1e3 * (device_busy_seconds(trace_dir) - met.prefill_s) / steps
+      if output_dir is not None:
+        os.makedirs(output_dir, exist_ok=True)
+        pd.DataFrame(top_ops(trace_dir, steps, fold=False),
+                     columns=["op", "ms_per_step", "calls_per_step"]).to_csv(
+            os.path.join(output_dir, f"ops_{name}_b{batch}.csv"), index=False)
+  for row in rows:
+    if row["batch_size"] == batch and row["method"] in device_ms:
+      row["device_ms"] = device_ms[row["method"]]
+      row["c_device"] = device_ms[row["method"]] / device_ms["ar"]
 
 
 def _repeat_requests(requests: Sequence[Request], seed: int, rep: int) -> list[Request]:

@@ -109,7 +109,8 @@ def _head_draft(head_graphdef, head_state, target_graphdef, target_params, token
   target = nnx.merge(target_graphdef, target_params)
 
   def pick(logits, j):
-    stop = entropy_nats(logits) > (jnp.inf if stop_entropy is None else stop_entropy)
+    stop = (jnp.zeros(logits.shape[:1], bool) if stop_entropy is None  # no entropy kernels
+            else entropy_nats(logits) > stop_entropy)
     if all_greedy:
       return jnp.argmax(logits, axis=-1).astype(jnp.int32), (None, stop)
     probs = processed_probs(logits[:, None], temperature, top_k, top_p)[:, 0]

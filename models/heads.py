@@ -424,24 +424,26 @@ class EagleHead(nnx.Module):
     pad = ((0, 0), (0, num_steps - 1), (0, 0), (0, 0))
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
 
-    def step(carry, j):
-      k, v, valid, q_attn, q_resid = carry
+    # A Python loop (num_steps is static): straight-line code that XLA fuses across
+    # steps, without a device loop per draft call.
+    q_attn, q_resid = x_attn[:, -1:], resid[:, -1:]
+    toks, probs = [], []
+    for j in range(num_steps):
       s = width - 1 + j  # the query's slot; its K/V is (re)written here (same at j = 0)
-      q_pos = jax.lax.dynamic_slice_in_dim(pos, s, 1, axis=1)
+      q_pos = pos[:, s:s + 1]
       kj, vj = self.layer.kv(q_attn, q_pos)
-      k = jax.lax.dynamic_update_slice_in_dim(k, kj, s, axis=1)
-      v = jax.lax.dynamic_update_slice_in_dim(v, vj, s, axis=1)
+      k = k.at[:, s:s + 1].set(kj)
+      v = v.at[:, s:s + 1].set(vj)
       valid = valid | (slot[None] == s)
       # The query sees every real slot (the window ends at its chain start) and the
       # chain's own slots so far; ``valid`` is True exactly for those.
       g = self.layer(q_attn, q_resid, q_pos, k, v, valid[:, None, :])  # [B, 1, D]
-      tok, probs = pick(self.to_target_logits(self.draft_logits(target, g[:, 0])), j)
-      q_attn, q_resid = self.layer_inputs(target, tok[:, None], g)
-      return (k, v, valid, q_attn, q_resid), (tok, probs)
-
-    carry = (k, v, valid, x_attn[:, -1:], resid[:, -1:])
-    _, (toks, probs) = jax.lax.scan(step, carry, jnp.arange(num_steps))
-    return toks.T, jax.tree.map(lambda p: jnp.moveaxis(p, 0, 1), probs)
+      tok, p = pick(self.to_target_logits(self.draft_logits(target, g[:, 0])), j)
+      toks.append(tok)
+      probs.append(p)
+      if j + 1 < num_steps:
+        q_attn, q_resid = self.layer_inputs(target, tok[:, None], g)
+    return _stack(toks, probs)
 
   def draft_tree(self, target, tokens, feats, num_valid, positions, depth: int,
                  branching: int, num_nodes: int):

@@ -182,9 +182,10 @@ def target_features(target, tokens, lengths, feature_layers: tuple[int, ...]):
 
 def _loss(params, rest, head_graphdef, target, tokens, lengths, prompt_lengths, depth):
   """Returns ``(loss, (hits, valid, response))``, each ``bool[U, B, T]``: depth u's top-1
-  agreement at output q, whether q has a label, and whether that label is a drafted
-  response token (position >= prompt length + 1: the first response token comes from
-  prefill, so speculative decoding never drafts it)."""
+  agreement at output q, whether q has a label, and whether that label is a response
+  token a row of the data drafts: token index in [prompt length, length - 1] (the
+  engine's prefill is KV only, so the first decode step already drafts the first
+  response token; the label after the last token is never drafted)."""
   head = nnx.merge(head_graphdef, params, rest)
   cfg = head.cfg
   feats, labels = target_features(target, tokens, lengths, cfg.feature_layers)
@@ -214,7 +215,9 @@ def _loss(params, rest, head_graphdef, target, tokens, lengths, prompt_lengths, 
     norm += w
     hits.append((jnp.argmax(logits, -1) == lab_d) & in_vocab)
     valids.append(valid)
-    responses.append(valid & (q + shift >= prompt_lengths[:, None]))
+    index = q + shift + 1  # the label's token index
+    responses.append(valid & (index >= prompt_lengths[:, None])
+                     & (index <= lengths[:, None] - 1))
   return total / norm, (jnp.stack(hits), jnp.stack(valids), jnp.stack(responses))
 
 

@@ -148,6 +148,9 @@ def test_bad_values_raise_before_loading(tiny_models):
   if jax.default_backend() != "gpu":
     with pytest.raises(ValueError, match="pallas_triton needs a GPU"):
       EvalConfig(verify_implementation="pallas_triton")
+  if jax.default_backend() == "cpu":
+    with pytest.raises(ValueError, match="device_profile=True needs a GPU or TPU backend"):
+      run_evaluation(EvalConfig(target="tiny-target", device_profile=True), progress=False)
   with pytest.raises(ValueError,
                      match=r"not all options.*its options: \['device', 'n_max', 'n_min'\]"):
     run_evaluation(EvalConfig(target="tiny-target", method_options={"ngram": {"nope": 1}}),
@@ -214,3 +217,32 @@ def test_real_smollm2_ngram_lossless():
   ngram = df[df.method == "ngram"].iloc[0]
   assert ngram.lossless and ngram.tau >= 1.0
   assert (df.num_output_tokens > 0).all()
+
+
+def test_device_profile_sets_device_columns_and_ops(monkeypatch, tmp_path):
+  """The profiled pass's arithmetic: device busy time less the prefill wall time per
+  engine step, c_device against AR's, one ops CSV per method (the trace parsing itself
+  is ``harness.device_time``'s; CPU traces have no device track)."""
+  busy = iter([0.9, 0.7])  # seconds: ar, then ngram
+  monkeypatch.setattr(evaluation, "device_busy_seconds", lambda d: next(busy))
+  monkeypatch.setattr(evaluation, "top_ops", lambda d, steps, fold: [("fusion", 0.1, 2)])
+
+  class FakeEngine:
+    def __init__(self, steps):
+      self.runtime = types.SimpleNamespace(method_cache={"x": 1})
+      self.steps = steps
+
+    def generate(self, requests, progress=None):
+      return [], types.SimpleNamespace(steps=[None] * self.steps, prefill_s=0.1)
+
+  engines = {"ar": FakeEngine(100), "ngram": FakeEngine(50)}
+  rows = [{"method": m, "batch_size": b} for m in ("ar", "ngram") for b in (1, 4)]
+  evaluation._device_profile(engines, [], rows, 1, str(tmp_path), None)
+  assert rows[0]["device_ms"] == pytest.approx(8.0)  # (0.9 - 0.1) s / 100 steps
+  assert rows[0]["c_device"] == pytest.approx(1.0)
+  assert rows[2]["device_ms"] == pytest.approx(12.0)  # (0.7 - 0.1) s / 50 steps
+  assert rows[2]["c_device"] == pytest.approx(1.5)
+  assert "device_ms" not in rows[1]  # batch 4 was not profiled here
+  assert engines["ngram"].runtime.method_cache == {}
+  ops = pd.read_csv(tmp_path / "ops_ngram_b1.csv")
+  assert ops.to_dict("records") == [{"op": "fusion", "ms_per_step": 0.1, "calls_per_step": 2}]

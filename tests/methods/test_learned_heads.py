@@ -337,9 +337,14 @@ def test_held_out_response_agreement_counts_only_drafted_response_tokens(target)
   q = np.arange(data.tokens.shape[1])[None]
   valid = q + 1 <= data.lengths[:, None] - 1  # depth 1 predicts the label after q + 1
   hit = pred[:, :-1] == labels[:, 1:]
-  resp = valid[:, :-1] & (q[:, :-1] + 1 >= plen[:, None])
-  for prompt_lengths, expect in [(np.zeros(4, np.int32), hit[valid[:, :-1]].mean()),
-                                 (plen, hit[resp].mean())]:
+  index = q[:, :-1] + 2  # token index of the label at q
+
+  def response_mask(prompt_lengths):  # labels a row drafts: indices prompt .. length - 1
+    return (valid[:, :-1] & (index >= prompt_lengths[:, None])
+            & (index <= data.lengths[:, None] - 1))
+
+  for prompt_lengths in (np.zeros(4, np.int32), plen):
+    expect = hit[response_mask(prompt_lengths)].mean()
     d = TokenDataset(data.tokens, data.lengths, prompt_lengths)
     _, all_pos, response = _evaluate(params, rest, graphdef, target, d, 4, 1)
     np.testing.assert_allclose(all_pos[0], hit[valid[:, :-1]].mean(), rtol=1e-6)
