@@ -236,6 +236,31 @@ for step in "$@"; do
         --method_option=eagle3.head_path=${EAGLE3_HEAD:-smollm2-135m-eagle3} \
         --num_speculative_tokens=5 --categories=mt_bench --num_prompts=${E3_PROMPTS:-32} \
         --batch_sizes=1 --output_dir="$OUT/eagle3_mt_bench" ;;
+    install_heads)  # trained heads carried as .stage/heads/NAME.tgz.part* (the parts
+      # zoo_train or a copy of $SPECJAX_CACHE/heads/NAME wrote), unpacked into the cache
+      mkdir -p "${SPECJAX_CACHE:?}/heads"
+      for first in .stage/heads/*.tgz.partaa; do
+        cat "${first%aa}"* | tar xzf - -C "$SPECJAX_CACHE/heads"
+      done
+      ls "$SPECJAX_CACHE/heads" ;;
+    eagle3_profile)  # the zoo EAGLE-3 head on MT-Bench with each method's device time per
+      # step (c_device, op CSVs): where c goes, for k in $E3_KS, on each attention back end
+      for k in ${E3_KS:-3 5}; do
+        for impl in ${E3_IMPLS:-reference pallas_gpu,reference}; do
+          run "e3prof_k${k}_${impl%%,*}" evaluate --target=smollm2-135m --methods=ar,eagle3 \
+            --method_option=eagle3.head_path=${EAGLE3_HEAD:-smollm2-135m-eagle3} \
+            --num_speculative_tokens=$k --categories=mt_bench --num_prompts=${E3_PROMPTS:-16} \
+            --batch_sizes=1 --device_profile --attention_implementation=$impl \
+            --output_dir="$OUT/e3prof_k${k}_${impl%%,*}"
+        done
+      done ;;
+    eagle3_agreement)  # that head's offline agreement on the same prompts (what greedy SD
+      # can accept: methods.training.agreement), at the evaluation's precision and JAX's default
+      for p in highest default; do
+        run "e3agree_$p" python3 -m experiments.head_agreement \
+          --head_path=${EAGLE3_HEAD:-smollm2-135m-eagle3} --categories=mt_bench \
+          --num_prompts=${E3_PROMPTS:-16} --matmul_precision=$p --output_dir="$OUT/e3agree_$p"
+      done ;;
     device_loop_smollm2)  # the SmolLM2 must-show, from an empty compile cache
       SPECJAX_COMPILATION_CACHE=${SPECJAX_COMPILATION_CACHE:-$OUT/cc_empty} run eval_device_loop \
         evaluate --target=smollm2-135m --methods=ar,ngram,suffix --num_prompts=12 \
