@@ -50,9 +50,9 @@ import numpy as np
 import pandas as pd
 from absl import app, flags
 
-from harness.device_time import device_busy_seconds, top_host_events, top_ops
 from benchmarks.step_cost import _kv_bytes, _param_bytes
 from harness import plots
+from harness.device_time import device_busy_seconds, top_host_events, top_ops
 from harness.evaluation import MATMUL_PRECISIONS
 from harness.synthetic import ConstantDrafter
 from models.layers import (

@@ -17,8 +17,8 @@ import time
 import jax
 from absl import app, flags
 
-from harness.device_time import top_ops
 from benchmarks.step_cost import StepBenchConfig, _Runner
+from harness.device_time import top_ops
 from models.shapes import SHAPES
 
 _SHAPE = flags.DEFINE_enum("shape", "llama3-8b", list(SHAPES),

@@ -32,6 +32,13 @@ _SWITCH = flags.DEFINE_float("switch_cost_ms", None, "Method switch cost per row
 _METHOD_COST = flags.DEFINE_list("method_cost", [],
                                  "TRACE_METHOD=COST_METHOD: charge one with the other's cost.")
 _NUM = flags.DEFINE_integer("num_requests", 0, "First n requests per file (0 = all).")
+_SEMANTICS = flags.DEFINE_enum(
+    "semantics", "specjax", ["specjax", "seed"],
+    "specjax: this project's simulator; seed: the seed paper's (SpecDecode-Bench) rules, "
+    "with --batching=copies (docs/simulator.md lists the differences).")
+_MATCH_P = flags.DEFINE_float(
+    "match_probability", None, "seed semantics: n-gram match probability at acc_len 1 "
+    "(default: the seed's value for the data set in the file name).")
 _LOOP = flags.DEFINE_string("engine_loop_csv", None,
                             "Instead: compare a benchmarks.engine_loop CSV with the model.")
 _NEW = flags.DEFINE_integer("new_tokens", 64, "The engine-loop run's --new_tokens.")
@@ -59,15 +66,17 @@ def main(argv):
         fixed_k=tuple(int(k) for k in _K.value), oracle=_ORACLE.value, combine=_COMBINE.value,
         batch_sizes=tuple(int(b) for b in _BATCH.value), batching=_BATCHING.value,
         include_prefill=_PREFILL.value, switch_cost_ms=_SWITCH.value,
-        method_costs=tuple(_pair(p) for p in _METHOD_COST.value), num_requests=_NUM.value)
+        method_costs=tuple(_pair(p) for p in _METHOD_COST.value), num_requests=_NUM.value,
+        semantics=_SEMANTICS.value, match_probability=_MATCH_P.value)
     df = simulator.run_bounds(cfg)
     name = "bounds.csv"
     table = df.pivot_table(index=["traces", "policy"], columns="batch_size", values="speedup")
     print(table.to_string(float_format=lambda x: f"{x:.2f}"))
-    vshare = df.pivot_table(index=["traces", "policy"], columns="batch_size",
-                            values="verify_share")
-    print("\nverification share of SD decode time")
-    print(vshare.to_string(float_format=lambda x: f"{x:.2f}"))
+    if "verify_share" in df:
+      vshare = df.pivot_table(index=["traces", "policy"], columns="batch_size",
+                              values="verify_share")
+      print("\nverification share of SD decode time")
+      print(vshare.to_string(float_format=lambda x: f"{x:.2f}"))
   if _OUT.value:
     os.makedirs(_OUT.value, exist_ok=True)
     df.to_csv(os.path.join(_OUT.value, name), index=False)

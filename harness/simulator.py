@@ -46,6 +46,7 @@ __all__ = ["BoundsConfig", "Policy", "SimResult", "compare_engine_loop", "run_bo
            "speedup_table"]
 
 POLICIES = ("ar", "fixed", "oracle", "combine")
+SEMANTICS = ("specjax", "seed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,18 +122,23 @@ class _Row:
 
 
 def _trace_arrays(records, methods):
-  """Per request: n, prompt length, {method: (acc i64[n], draft_len i64[n] or None)}."""
+  """Per request: n, prompt length, {method: (acc i64[n], draft_len i64[n] or None)}.
+
+  n is the shortest ``acc_len`` of ``methods`` (each method's list is its output length;
+  ``generated_token_ids``'s length for AR alone)."""
   out = []
   for r in records:
-    n = len(r.generated_token_ids)
-    per = {}
     for m in methods:
       if m not in r.methods:
         raise ValueError(f"request {r.request_id!r} has no trace for method {m!r}; it has "
                          f"{sorted(r.methods)}")
+    n = min((len(r.methods[m].acc_len) for m in methods), default=len(r.generated_token_ids))
+    per = {}
+    for m in methods:
       t = r.methods[m]
       dl = t.extras.get("draft_len")
-      per[m] = (np.asarray(t.acc_len, np.int64), None if dl is None else np.asarray(dl, np.int64))
+      per[m] = (np.asarray(t.acc_len[:n], np.int64),
+                None if dl is None else np.asarray(dl[:n], np.int64))
     out.append((n, len(r.prompt_token_ids), per))
   return out
 
@@ -354,7 +360,14 @@ class BoundsConfig:
     switch_cost_ms: per-row method switch cost (overrides the cost model's when set).
     method_costs: (trace method, cost-model method) pairs: charge a trace method with
       another method's draft cost (e.g. ``draft_model`` with a preset's ``eagle``).
-    num_requests: simulate the first n requests of each file (0 = all).
+    num_requests: simulate the first n requests of each file (0 = all); seed semantics:
+      draw n requests (0 = the seed's 300, or all when fewer).
+    semantics: "specjax" (this module) or "seed" (``harness.seed_simulator``: the seed
+      paper's simulator; ``copies`` batching and prefill only; docs/simulator.md lists
+      the differences).
+    match_probability: seed semantics, fixed-k n-gram: probability that a position with
+      acc_len 1 still has an n-gram match; None takes the seed's value for the data set
+      named in the file name (``combined_<data set>.jsonl``).
   """
 
   traces: tuple[str, ...]
@@ -369,10 +382,21 @@ class BoundsConfig:
   switch_cost_ms: float | None = None
   method_costs: tuple[tuple[str, str], ...] = ()
   num_requests: int = 0
+  semantics: str = "specjax"
+  match_probability: float | None = None
 
   def __post_init__(self):
     if not self.traces:
       raise ValueError("traces must name at least one JSONL file")
+    if self.semantics not in SEMANTICS:
+      raise ValueError(f"semantics={self.semantics!r} must be one of {SEMANTICS}")
+    if self.semantics == "seed" and (self.batching != "copies" or not self.include_prefill):
+      raise ValueError(f"semantics='seed' simulates the seed's batches (batching='copies', "
+                       f"prefill included), got batching={self.batching!r}, "
+                       f"include_prefill={self.include_prefill}")
+    if self.semantics == "seed" and (self.switch_cost_ms or self.method_costs):
+      raise ValueError("semantics='seed' charges no switching cost and each method its own "
+                       "draft cost: leave switch_cost_ms and method_costs unset")
     if any(k < 1 for k in self.fixed_k):
       raise ValueError(f"fixed_k={self.fixed_k} must all be >= 1")
     if self.num_requests < 0:
@@ -399,7 +423,7 @@ def run_bounds(cfg: BoundsConfig):
   frames = []
   for path in cfg.traces:
     records = read_jsonl(path)
-    if cfg.num_requests:
+    if cfg.num_requests and cfg.semantics == "specjax":
       records = records[: cfg.num_requests]
     methods = cfg.methods or tuple(records[0].methods)
     policies = [Policy(kind="fixed", methods=(m,), k=k) for m in methods for k in cfg.fixed_k]
@@ -407,10 +431,35 @@ def run_bounds(cfg: BoundsConfig):
       policies += [Policy(kind="oracle", methods=(m,)) for m in methods]
     if cfg.combine and len(methods) > 1:
       policies.append(Policy(kind="combine", methods=tuple(methods)))
-    df = speedup_table(records, cost, policies, cfg.batch_sizes, batching=cfg.batching,
-                       include_prefill=cfg.include_prefill)
+    if cfg.semantics == "seed":
+      df = _seed_table(records, cost, policies, cfg, os.path.basename(path))
+    else:
+      df = speedup_table(records, cost, policies, cfg.batch_sizes, batching=cfg.batching,
+                         include_prefill=cfg.include_prefill)
+      df["semantics"] = "specjax"
     df.insert(0, "traces", os.path.basename(path))
     df["num_requests"] = len(records)
     df["switch_cost_ms"] = 1e3 * cost.switch_s
     frames.append(df)
   return pd.concat(frames, ignore_index=True)
+
+
+def _seed_table(records, cost: CostModel, policies, cfg: BoundsConfig, file_name: str):
+  """``harness.seed_simulator`` rows for every policy and batch size of one file."""
+  import pandas as pd  # noqa: PLC0415
+
+  from harness.seed_simulator import MATCH_PROBABILITY, simulate_seed  # noqa: PLC0415
+
+  p = cfg.match_probability
+  if p is None:
+    stem = file_name.removesuffix(".jsonl").removeprefix("combined_")
+    p = MATCH_PROBABILITY.get(stem)
+  needs_p = any(q.kind == "fixed" and q.methods[0] == "ngram" for q in policies)
+  if needs_p and p is None:
+    raise ValueError(f"trace file {file_name!r} names no data set of the seed "
+                     f"({sorted(MATCH_PROBABILITY)}): pass match_probability for its "
+                     "fixed-k n-gram policies")
+  num = cfg.num_requests or 300
+  return pd.DataFrame([{**simulate_seed(records, cost, q, b, match_probability=p,
+                                        num_requests=num), "match_probability": p}
+                       for q in policies for b in cfg.batch_sizes])

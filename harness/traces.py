@@ -80,23 +80,26 @@ class TraceRecord:
   def from_json(cls, d: dict) -> TraceRecord:
     """Reads this module's records and the seed simulator's.
 
+    A method's ``acc_len`` may be shorter or longer than ``generated_token_ids``: its
+    length is that method's output length (the seed's EAGLE-3 runs generated other
+    continuation lengths than ``generated_token_ids``, its n-gram runs not).
+
     Raises:
-      ValueError: missing ids, no ``acc_*`` entry, or an ``acc_len`` whose length is not
-        the output's or with a value < 1.
+      ValueError: missing ids, no ``acc_*`` entry, or an ``acc_len`` that is not a flat
+        list or has a value < 1.
     """
     for key in ("id", "prompt_token_ids", "generated_token_ids"):
       if key not in d:
         raise ValueError(f"trace record lacks {key!r}; keys: {sorted(d)}")
-    n = len(d["generated_token_ids"])
     methods = {}
     for key, value in d.items():
       if key.startswith("acc_") and isinstance(value, dict) and "acc_len" in value:
         name = key[len("acc_"):]
         acc = np.asarray(value["acc_len"], np.int64)
-        if acc.shape != (n,):
-          raise ValueError(f"request {d['id']!r} {key}.acc_len has {acc.size} entries, must "
-                           f"have one per generated token ({n})")
-        if n and acc.min() < 1:
+        if acc.ndim != 1:
+          raise ValueError(f"request {d['id']!r} {key}.acc_len must be a list of ints, got "
+                           f"shape {acc.shape}")
+        if acc.size and acc.min() < 1:
           raise ValueError(f"request {d['id']!r} {key}.acc_len has value {int(acc.min())} at "
                            f"position {int(acc.argmin())}; every entry must be >= 1")
         extras = {k: np.asarray(v) for k, v in value.items() if k != "acc_len"}
