@@ -259,6 +259,12 @@ class Engine:
       ))
     return method_state
 
+  def _commit(self, tree):
+    """Fresh device state committed to its device (``sharding.commit``: one compiled
+    placement signature per step shape); on a mesh as created (``place_state`` and the
+    jitted steps place it)."""
+    return sharding.commit(tree) if self.mesh is None else tree
+
   def _budget(self, st: RequestState) -> int:
     sp = st.request.sampling
     return max(0, min(self.k, self.config.max_model_len - len(st.tokens),
@@ -306,7 +312,8 @@ class Engine:
       st = RequestState(r, np.asarray(request_key(seed)), list(r.prompt_token_ids))
       states.append(st)
       sched.add(st)
-    self.slots = init_slots(cfg.max_num_seqs, cfg.max_model_len, self._num_stop_ids(requests))
+    self.slots = self._commit(init_slots(cfg.max_num_seqs, cfg.max_model_len,
+                                         self._num_stop_ids(requests)))
     self._slot_free = SlotAllocator(cfg.max_num_seqs)
     method_state = self.method.init_state(self.runtime)
     if self.mesh is not None:  # a draft's KV pool, a head's weights: onto the mesh
@@ -314,7 +321,7 @@ class Engine:
                                           sharded=cfg.draft_sharding == "sharded")
     self._released: list[tuple[int, int]] = []
     if self.fused:
-      self._pparams, self._pstate = self.method.init_device(self.runtime)
+      self._pparams, self._pstate = self._commit(self.method.init_device(self.runtime))
       if self.mesh is not None:
         self._pparams, self._pstate = sharding.place_state(
             (self._pparams, self._pstate), self.mesh, self.target.config,

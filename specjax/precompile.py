@@ -94,9 +94,10 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
                                                        for i in range(1, engine.k + 1)})]
   rows = [RequestState(r, np.zeros(2, np.uint32), list(r.prompt_token_ids)) for r in requests]
   sampler, fused, _ = engine._sampler_plan(rows, False)
-  engine.slots = init_slots(cfg.max_num_seqs, cfg.max_model_len, engine._num_stop_ids(requests))
-  if engine.fused:
-    engine._pparams, engine._pstate = engine.method.init_device(engine.runtime)
+  engine.slots = engine._commit(init_slots(cfg.max_num_seqs, cfg.max_model_len,
+                                           engine._num_stop_ids(requests)))
+  if engine.fused:  # committed as in Engine.generate: the same placement signatures
+    engine._pparams, engine._pstate = engine._commit(engine.method.init_device(engine.runtime))
   for n in sorted({padded_rows(i) for i in range(1, cfg.max_num_seqs + 1)}):
     engine.slots = write_slots(engine.slots, [-1] * n, [_PADDING_ROW] * n, engine.eos_ids)
     if engine.fused:

@@ -257,6 +257,20 @@ def tensor_parallel_of(split) -> TensorParallel | None:
   return getattr(nnx.merge(split.graphdef, split.params), "tensor_parallel", None)
 
 
+def commit(tree):
+  """``tree`` with every ``jax.Array`` leaf committed to the placement it has.
+
+  A fresh array (``jnp.zeros``) is uncommitted; a jitted function's outputs are
+  committed once any input is (e.g. weights loaded with ``device_put``). jit compiles
+  one executable per placement signature, so an engine whose KV pool, slots or method
+  state start uncommitted and come back committed from their first call compiles each
+  shape twice. Committing them at creation keeps one signature. A committed leaf is
+  returned as is; non-array leaves are untouched.
+  """
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array)
+                      else x, tree)
+
+
 def init_kv_pool(split, num_pages: int, page_size: int, mesh: Mesh | None):
   """The zeroed KV pool of ``split`` (``models.llama.init_kv_caches``), allocated on its
   shards by a jitted zeros with ``out_shardings`` (as tpu-inference's
@@ -265,7 +279,7 @@ def init_kv_pool(split, num_pages: int, page_size: int, mesh: Mesh | None):
 
   cfg = split.config
   if mesh is None:
-    return init_kv_caches(cfg, num_pages, page_size)
+    return commit(init_kv_caches(cfg, num_pages, page_size))
   tp = tensor_parallel_of(split)
   heads = kv_cache_heads(cfg, tp)
   out = kv_cache_sharding(mesh, replicated=tp is None)

@@ -3,6 +3,7 @@ verify and prefill shapes), compiled one by one or in threads first, with unchan
 greedy outputs."""
 
 import jax
+import numpy as np
 import pytest
 from e2e_lib import ENGINE_CONFIG, make_requests
 
@@ -10,6 +11,7 @@ from harness.synthetic import ConstantDrafter
 from methods.ngram import NGram
 from methods.registry import make_method
 from specjax.batch import bucket
+from specjax.config import SamplingParams
 from specjax.metrics import CompileMonitor
 from specjax.precompile import prefill_shapes
 from specjax.request import Request
@@ -88,3 +90,31 @@ def test_threaded_precompile(make_engine, reference):
   assert count > 0 and compiles[2] == compiles[1] >= count, (count, compiles)
   assert metrics.num_compiles == 0 and not any(s.compiled for s in metrics.steps)
   assert [o.output_token_ids for o in outputs] == reference(requests)
+
+
+def test_fused_head_compiles_nothing_after_precompile_on_a_new_engine(target):
+  """A learned head's feature-pool writes at prefill (``prefill_device``) keep one
+  compiled variant whatever the arrays' placement history: after one engine's precompile
+  and run, a new engine (an evaluation's next repeat) compiles nothing. The target's
+  weights are committed to the device, as loaded real weights are."""
+
+  from methods.eagle3 import Eagle3  # noqa: PLC0415
+  from specjax.engine import Engine  # noqa: PLC0415
+
+  placed = target._replace(params=jax.device_put(target.params, jax.devices()[0]))
+
+  def make_engine(method, config):
+    return Engine(placed, method, config)
+
+  # The first request's prefill bucket (16) is not the first one precompile runs (4).
+  rng = np.random.default_rng(33)
+  requests = [Request(f"r{i}", tuple(int(t) for t in rng.integers(0, 20, n)),
+                      SamplingParams(max_tokens=3)) for i, n in enumerate((14, 3))]
+  cfg = ENGINE_CONFIG.replace(max_num_seqs=1, min_prefill_bucket=4)
+  method = Eagle3(k=2, feature_layers=(1, 2, 2))
+  first = make_engine(method, cfg)
+  assert first.precompile(requests, num_threads=1) > 0
+  _, metrics = first.generate(requests)
+  assert metrics.num_compiles == 0 and metrics.prefill_compiled_s == 0
+  _, again = make_engine(method, cfg).generate(requests)
+  assert again.num_compiles == 0 and again.prefill_compiled_s == 0
