@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags
+from absl import flags
 
 from benchmarks.step_cost import StepBenchConfig, run_step_benchmark
-from harness import plots
+from harness import cli, plots
 from models.shapes import SHAPES
 
 _SHAPE = flags.DEFINE_enum("shape", "llama3-8b", list(SHAPES),
@@ -48,4 +48,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

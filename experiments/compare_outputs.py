@@ -17,8 +17,9 @@ import os
 
 import jax
 import pandas as pd
-from absl import app, flags
+from absl import flags
 
+from harness import cli
 from harness.divergence import divergence
 from harness.evaluation import load_model
 from specjax.steps import split_model
@@ -80,4 +81,4 @@ def _prompt_ids(records: dict) -> dict:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

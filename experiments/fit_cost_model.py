@@ -8,9 +8,9 @@
 from __future__ import annotations
 
 import pandas as pd
-from absl import app, flags
+from absl import flags
 
-from harness import cost_model
+from harness import cli, cost_model
 
 _LOOP = flags.DEFINE_list("engine_loop_csv", None, "benchmarks.engine_loop CSVs.", required=True)
 _EVAL = flags.DEFINE_list("eval_csv", [], "harness.evaluation results.csv files (draft costs).")
@@ -31,4 +31,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -19,8 +19,9 @@ import os
 
 import jax
 import pandas as pd
-from absl import app, flags
+from absl import flags
 
+from harness import cli
 from harness.evaluation import MATMUL_PRECISIONS
 from methods.training.agreement import head_agreement
 from methods.training.data import regenerate
@@ -78,4 +79,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -5,8 +5,9 @@
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
+from harness import cli
 from harness.kv_memory import DEFAULT_PAIRS, memory_table
 
 _DTYPE = flags.DEFINE_string("dtype", None, "KV dtype (default: each shape's own, bf16).")
@@ -24,4 +25,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 
 import pandas as pd
-from absl import app, flags
+from absl import flags
 
-from harness import cost_model, simulator
+from harness import cli, cost_model, simulator
 
 _TRACES = flags.DEFINE_list("traces", [], "JSONL trace files (harness.traces or the seed's).")
 _COST = flags.DEFINE_string("cost_model", "seed-llama8b-h100",
@@ -84,4 +84,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 
+from harness import cli
 from harness.traces import TraceConfig, run_traces
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m", "models.zoo name or path.")
@@ -60,4 +61,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

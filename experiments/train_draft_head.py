@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from absl import app, flags, logging
 
+from harness import cli
 from methods.training.pipeline import DraftHeadJob, train_draft_head
 from methods.training.trainer import TrainConfig
 from models.heads import HEAD_KINDS
@@ -105,4 +106,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -102,7 +102,7 @@ class Adaptive(Method):
 
   name = "adaptive"
   k: int = 4
-  drafters: tuple = ("suffix", "ngram")
+  drafters: tuple[str, ...] | str = ("suffix", "ngram")
   prior: float = 1.0
   prior_weight: float = 2.0
 

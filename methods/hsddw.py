@@ -86,8 +86,11 @@ def updated_threshold(initial: float, prior_weight: float, rejected_entropies) -
 
   ``(prior_weight * initial + sum(rejected_entropies)) / (prior_weight + n)``; e.g.
   initial 2.0, prior_weight 1, rejected entropies [1.0, 0.4] -> (2.0 + 1.4) / 3 = 1.1333.
+  With ``prior_weight`` 0 it is the plain mean, and ``initial`` before any rejection.
   """
   h = np.asarray(rejected_entropies, np.float64)
+  if prior_weight + h.size == 0:
+    return float(initial)
   return float((prior_weight * initial + h.sum()) / (prior_weight + h.size))
 
 

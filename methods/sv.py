@@ -131,7 +131,8 @@ class SpeculativeVerification(WrappedDrafter):
   Attributes:
     companion: a ``models.zoo`` name or checkpoint path of the companion.
     companion_model: or the companion itself (a ``Transformer`` or ``SplitModel``).
-    cost_model: a ``StepCostModel``, or None to profile one at start-up.
+    cost_model: a ``StepCostModel`` (or the dict of its fields), or None to profile one
+      at start-up.
     num_bins: calibration bins over [0, 1].
     prior_strength: n0, pseudo-observations of the prior in each bin (> 0).
     profile_context: KV length of the start-up profile.
@@ -140,7 +141,7 @@ class SpeculativeVerification(WrappedDrafter):
   name = "sv"
   companion: str | None = None
   companion_model: Any = dataclasses.field(default=None, compare=False, repr=False)
-  cost_model: StepCostModel | None = None
+  cost_model: StepCostModel | dict | None = None
   num_bins: int = 8
   prior_strength: float = 2.0
   profile_context: int = 512

@@ -89,14 +89,15 @@ class TurboSpec(WrappedDrafter):
   Attributes:
     beta: EMA factor in (0, 1] (vLLM adaptive_k: 0.3).
     prior: initial alpha of a new request, in [0, 1] (vLLM adaptive_k: 0.85).
-    cost_model: a ``StepCostModel``, or None to profile one at start-up.
+    cost_model: a ``StepCostModel`` (or the dict of its fields), or None to profile one
+      at start-up.
     profile_context: KV length (tokens) of the start-up profile.
   """
 
   name = "turbospec"
   beta: float = 0.3
   prior: float = 0.85
-  cost_model: StepCostModel | None = None
+  cost_model: StepCostModel | dict | None = None
   profile_context: int = 512
 
   def __post_init__(self):

@@ -131,10 +131,13 @@ def choose_cap(survival: np.ndarray, budgets: np.ndarray, cost: Callable[[int, i
     survival: ``f32[k]`` s_j, non-increasing.
     budgets: ``i32[B]`` row budgets.
     cost: ``T(B, L)`` in seconds.
-    lengths: candidate caps (increasing, >= 1).
+    lengths: candidate caps (increasing, >= 0; 0 verifies no draft, with
+      ``min_tokens=0``).
 
   Example: s = [0.9, 0.45], one row of budget 2, T(1, L) = 1 + L: E(1) / T = 1.9 / 2 =
   0.95, E(2) / T = 2.35 / 3 = 0.78, so L* = 1, Theta* = 0.95, lambda = 0.95 (2 - 1) / 1.
+  When L* = 0 wins (``min_tokens=0`` and verifying costs more than it brings), lambda
+  is infinite.
   """
   rows = len(budgets)
   cum = np.concatenate([[0.0], np.cumsum(survival)])
@@ -145,6 +148,8 @@ def choose_cap(survival: np.ndarray, budgets: np.ndarray, cost: Callable[[int, i
     if best is None or theta > best[1] * (1 + 1e-12):
       best = (length, theta)
   length, theta = best
+  if length == 0:  # nothing verified: no draft token pays for itself
+    return 0, theta, float("inf")
   lam = theta * (cost(rows, length) - cost(rows, 0)) / (rows * length)
   return length, theta, float(lam)
 

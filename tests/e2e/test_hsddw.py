@@ -67,6 +67,7 @@ def test_threshold_update_by_hand():
   assert updated_threshold(2.0, 1.0, []) == 2.0
   assert updated_threshold(2.0, 1.0, [1.0, 0.4]) == pytest.approx(3.4 / 3)
   assert updated_threshold(2.0, 0.0, [1.0, 0.4]) == pytest.approx(0.7)
+  assert updated_threshold(2.0, 0.0, []) == 2.0  # was 0/0 = nan before any rejection
   # Through observe: row 0 rejects draft 1 (entropy 0.5), row 1 accepts all 2 drafts,
   # row 2 rejects draft 0 (entropy 3.0) and ends (its history is dropped).
   method = HSDDW(k=4, initial_threshold=2.0, prior_weight=1.0)

@@ -68,6 +68,13 @@ def test_stale_cap_by_hand():
   with pytest.raises(ValueError, match="length=8"):
     table(1, 8)
   assert LinearVerifyCost(fixed_s=1, per_row_s=0.5, per_token_s=0.25)(2, 3) == 1 + 1 + 2
+  # min_tokens=0 adds cap 0; here verifying costs more than it brings, so 0 wins with an
+  # infinite threshold (was a ZeroDivisionError): T(1, L) = 1 + 5 (L + 1), so
+  # E(0) / T = 1 / 6 beats E(1) / T = 1.8 / 11 and E(2) / T = 2.44 / 16.
+  cap, theta, lam = choose_cap(np.array([0.8, 0.64]), np.array([2]),
+                               LinearVerifyCost(fixed_s=1.0, per_row_s=0.0, per_token_s=5.0),
+                               [0, 1, 2])
+  assert (cap, theta, lam) == (0, pytest.approx(1 / 6), float("inf"))
 
 
 def test_bad_options_are_refused():
