@@ -35,15 +35,17 @@ _HEAD = flags.DEFINE_string("head_path", None, "Head directory or models.zoo.HEA
                             required=True)
 _DATASET = flags.DEFINE_enum("dataset", "spec_bench", list(DATASETS), "Prompt set.")
 _CATEGORIES = flags.DEFINE_list("categories", None, "Categories (default: all).")
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 16, "Prompts.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Greedy response budget.")
-_DEPTH = flags.DEFINE_integer("depth", 5, "Chain depths scored (k).")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 16, "Prompts.", lower_bound=1)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Greedy response budget.", lower_bound=1)
+_DEPTH = flags.DEFINE_integer("depth", 5, "Chain depths scored (k; MTP/Medusa: at most the "
+                              "head's modules).", lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Target dtype.")
 _PRECISION = flags.DEFINE_enum("matmul_precision", "highest", list(MATMUL_PRECISIONS),
                                "jax.default_matmul_precision of generation and scoring.")
 _CHAT = flags.DEFINE_boolean("chat_template", True, "Apply the tokenizer's chat template.")
 _SEED = flags.DEFINE_integer("seed", 0, "Prompt selection seed (as evaluate's).")
-_BATCH = flags.DEFINE_integer("batch_size", 16, "Rows per generation / scoring call.")
+_BATCH = flags.DEFINE_integer("batch_size", 16, "Rows per generation / scoring call.",
+                              lower_bound=1)
 _OUT = flags.DEFINE_string("output_dir", "results/head_agreement", "Where the CSV goes.")
 
 

@@ -31,7 +31,8 @@ _PREFILL = flags.DEFINE_boolean("include_prefill", True, "Charge prefill to AR a
 _SWITCH = flags.DEFINE_float("switch_cost_ms", None, "Method switch cost per row (ms).")
 _METHOD_COST = flags.DEFINE_list("method_cost", [],
                                  "TRACE_METHOD=COST_METHOD: charge one with the other's cost.")
-_NUM = flags.DEFINE_integer("num_requests", 0, "First n requests per file (0 = all).")
+_NUM = flags.DEFINE_integer("num_requests", 0, "First n requests per file (0 = all); "
+                            "--semantics=seed: n drawn (0 = the seed's 300).", lower_bound=0)
 _SEMANTICS = flags.DEFINE_enum(
     "semantics", "specjax", ["specjax", "seed"],
     "specjax: this project's simulator; seed: the seed paper's (SpecDecode-Bench) rules, "
@@ -43,6 +44,14 @@ _LOOP = flags.DEFINE_string("engine_loop_csv", None,
                             "Instead: compare a benchmarks.engine_loop CSV with the model.")
 _NEW = flags.DEFINE_integer("new_tokens", 64, "The engine-loop run's --new_tokens.")
 _OUT = flags.DEFINE_string("output_dir", None, "Where bounds.csv / engine_loop_vs_sim.csv go.")
+
+
+def _ints(name: str, values) -> tuple[int, ...]:
+  try:
+    return tuple(int(v) for v in values)
+  except ValueError:
+    raise ValueError(f"--{name}={','.join(values)} must be a comma-separated list of "
+                     "integers") from None
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -63,8 +72,8 @@ def main(argv):
   else:
     cfg = simulator.BoundsConfig(
         traces=tuple(_TRACES.value), cost_model=_COST.value, methods=tuple(_METHODS.value),
-        fixed_k=tuple(int(k) for k in _K.value), oracle=_ORACLE.value, combine=_COMBINE.value,
-        batch_sizes=tuple(int(b) for b in _BATCH.value), batching=_BATCHING.value,
+        fixed_k=_ints("fixed_k", _K.value), oracle=_ORACLE.value, combine=_COMBINE.value,
+        batch_sizes=_ints("batch_sizes", _BATCH.value), batching=_BATCHING.value,
         include_prefill=_PREFILL.value, switch_cost_ms=_SWITCH.value,
         method_costs=tuple(_pair(p) for p in _METHOD_COST.value), num_requests=_NUM.value,
         semantics=_SEMANTICS.value, match_probability=_MATCH_P.value)

@@ -62,6 +62,10 @@ def _draft_s(cost: DraftCost, spec_tokens, kv, verify_s):
 
 
 def _lengths(record, methods) -> int:
+  missing = [m for m in methods if m not in record.methods]
+  if missing:
+    raise ValueError(f"request {record.request_id!r} has no trace for methods {missing}; it "
+                     f"has {sorted(record.methods)}")
   return min(len(record.methods[m].acc_len) for m in methods)
 
 

@@ -264,7 +264,9 @@ def simulate(records, cost: CostModel, policy: Policy, batch_size: int, *,
     raise ValueError(f"{batching=} must be 'continuous' or 'copies'")
   if not records:
     raise ValueError("records must not be empty")
-  arrays = _trace_arrays(records, policy.methods)
+  arrays = [a for a in _trace_arrays(records, policy.methods) if a[0] > 0]  # output only
+  if not arrays:
+    raise ValueError(f"no request has output for methods {policy.methods}")
   ar_policy = Policy(kind="ar")
   sd, ar = SimResult(), SimResult()
   if batching == "continuous":
@@ -394,6 +396,10 @@ class BoundsConfig:
       raise ValueError(f"semantics='seed' simulates the seed's batches (batching='copies', "
                        f"prefill included), got batching={self.batching!r}, "
                        f"include_prefill={self.include_prefill}")
+    if self.match_probability is not None and (
+        self.semantics != "seed" or not 0.0 <= self.match_probability <= 1.0):
+      raise ValueError(f"match_probability={self.match_probability} is for semantics='seed' "
+                       "only, in [0, 1]")
     if self.semantics == "seed" and (self.switch_cost_ms or self.method_costs):
       raise ValueError("semantics='seed' charges no switching cost and each method its own "
                        "draft cost: leave switch_cost_ms and method_costs unset")
@@ -423,6 +429,8 @@ def run_bounds(cfg: BoundsConfig):
   frames = []
   for path in cfg.traces:
     records = read_jsonl(path)
+    if not records:
+      raise ValueError(f"trace file {path!r} has no records")
     if cfg.num_requests and cfg.semantics == "specjax":
       records = records[: cfg.num_requests]
     methods = cfg.methods or tuple(records[0].methods)
@@ -438,7 +446,8 @@ def run_bounds(cfg: BoundsConfig):
                          include_prefill=cfg.include_prefill)
       df["semantics"] = "specjax"
     df.insert(0, "traces", os.path.basename(path))
-    df["num_requests"] = len(records)
+    if "num_requests" not in df:  # seed rows carry the number they drew
+      df["num_requests"] = len(records)
     df["switch_cost_ms"] = 1e3 * cost.switch_s
     frames.append(df)
   return pd.concat(frames, ignore_index=True)

@@ -99,6 +99,9 @@ class TraceRecord:
         if acc.ndim != 1:
           raise ValueError(f"request {d['id']!r} {key}.acc_len must be a list of ints, got "
                            f"shape {acc.shape}")
+        if not acc.size and d["generated_token_ids"]:
+          raise ValueError(f"request {d['id']!r} {key}.acc_len is empty but the request has "
+                           f"{len(d['generated_token_ids'])} generated tokens")
         if acc.size and acc.min() < 1:
           raise ValueError(f"request {d['id']!r} {key}.acc_len has value {int(acc.min())} at "
                            f"position {int(acc.argmin())}; every entry must be >= 1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import types
 import typing
 
@@ -72,8 +73,8 @@ def _matches(value, hint) -> bool:
     return any(_matches(value, a) for a in typing.get_args(hint))
   if hint is type(None):
     return value is None
-  if hint in (int, float):
-    return (isinstance(value, (int, float) if hint is float else int)
+  if hint in (int, float):  # numpy scalars too
+    return (isinstance(value, numbers.Real if hint is float else numbers.Integral)
             and not isinstance(value, bool))
   if hint is tuple or origin is tuple:
     if not isinstance(value, (tuple, list)):
@@ -97,10 +98,15 @@ def check_option_types(cls: type[Method], options: dict) -> None:
   option, not a TypeError deep inside a run.
 
   Raises:
-    ValueError: e.g. ``option h='abc' of method 'svip' must be float``.
+    ValueError: an unknown option, or e.g. ``option h='abc' of method 'svip' must be
+      float``.
   """
   hints = typing.get_type_hints(cls)
-  fields = {f.name for f in dataclasses.fields(cls) if f.init}
+  fields = {f.name for f in dataclasses.fields(cls) if f.init} - {"k"}  # k: make_method's
+  unknown = sorted(set(options) - fields)
+  if unknown:
+    raise ValueError(f"options {unknown} are not options of method {cls.name!r}; its "
+                     f"options: {sorted(fields)}")
   for key, value in options.items():
     if key in fields and key in hints and not _matches(value, hints[key]):
       raise ValueError(f"option {key}={value!r} of method {cls.name!r} must be "

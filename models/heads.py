@@ -459,6 +459,11 @@ class EagleHead(nnx.Module):
     """Depth ``depth``'s output ``[B, T, D]`` -> draft-vocabulary logits."""
     return self.draft_logits(target, g)
 
+  @property
+  def max_depth(self) -> int | None:
+    """Most chain depths it drafts (None: any, by feeding its output back)."""
+    return None
+
   def label_offset(self, depth: int) -> tuple[int, int]:
     """``(shift, first)``: output q of this depth predicts the target's greedy token
     after position ``q + shift`` and is valid from ``q >= first`` (chain start >= 0)."""
@@ -574,6 +579,11 @@ class MTPHead(nnx.Module):
   def train_logits(self, target, h, depth: int):
     return self.modules[depth].logits(target, h)
 
+  @property
+  def max_depth(self) -> int | None:
+    """Most chain depths it drafts: one module each."""
+    return self.cfg.num_modules
+
   def label_offset(self, depth: int) -> tuple[int, int]:
     """Module ``depth + 1`` at position i predicts the greedy token after ``i + depth + 1``."""
     return depth + 1, 0
@@ -642,6 +652,11 @@ class MedusaHead(nnx.Module):
   def train_logits(self, target, h, depth: int):
     return target.lm_logits(h)
 
+  @property
+  def max_depth(self) -> int | None:
+    """Most chain depths it drafts: one head each."""
+    return self.cfg.num_modules
+
   def label_offset(self, depth: int) -> tuple[int, int]:
     """Head ``depth + 1`` at position i predicts the greedy token after ``i + depth + 1``."""
     return depth + 1, 0
@@ -689,6 +704,11 @@ class EarlyExitHead(nnx.Module):
 
   def exit_logits(self, target, h):
     return self.train_logits(target, self.adapt(h), 0)
+
+  @property
+  def max_depth(self) -> int | None:
+    """Most chain depths it is trained for (the exit predicts the next token)."""
+    return 1
 
   def label_offset(self, depth: int) -> tuple[int, int]:
     """The exit at position i predicts the target's greedy token after i."""

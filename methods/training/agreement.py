@@ -144,8 +144,8 @@ def head_agreement(head, target, data: TokenDataset, depth: int, batch_size: int
     head: a draft head (``models.heads``; EAGLE, EAGLE-3, MTP, Medusa).
     target: the target ``SplitModel``.
     data: target responses (``TokenDataset``; ``prompt_lengths`` mark the responses).
-    depth: U, chain depths evaluated (>= 1; beyond the head's ``num_modules`` for MTP
-      and Medusa is an error of the head).
+    depth: U, chain depths evaluated (>= 1; MTP and Medusa heads: at most their
+      ``num_modules``, as in drafting).
     batch_size: rows per jitted call (the last batch wraps around, counted once).
 
   Raises:
@@ -155,6 +155,8 @@ def head_agreement(head, target, data: TokenDataset, depth: int, batch_size: int
     raise ValueError(f"depth={depth} and batch_size={batch_size} must be >= 1")
   if len(data) == 0:
     raise ValueError("data must hold at least one sequence")
+  if head.max_depth is not None and depth > head.max_depth:
+    raise ValueError(f"depth={depth} must be <= {head.max_depth}, the most this head drafts")
   data = _pad_width(data)
   graphdef, params, rest = nnx.split(head, nnx.Param, ...)
   parts = [[], [], []]

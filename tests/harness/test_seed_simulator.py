@@ -2,6 +2,7 @@
 traces, and its published numbers from its own files when ``../shared/seed_traces`` is
 there."""
 
+import json
 import os
 
 import numpy as np
@@ -113,3 +114,26 @@ def test_seed_numbers_on_instructcoder():
   assert 4.80 <= got["combine:ngram+eagle"] <= 5.00
   assert round(got["oracle:eagle"], 2) == 2.73
   assert round(got["fixed_k5:eagle"], 2) == 2.38
+
+
+def test_seed_errors_and_rows(tmp_path):
+  lacking = TraceRecord("b", [0], [0, 0], {"ngram": MethodTrace(np.asarray([1, 1]), {})})
+  with pytest.raises(ValueError, match=r"request 'b' has no trace for methods \['eagle'\]"):
+    seed_simulator.simulate_seed([REC, lacking], COST, Policy(kind="oracle", methods=("eagle",)),
+                                 1)
+  with pytest.raises(ValueError, match="match_probability=2.0 is for semantics='seed' only"):
+    simulator.BoundsConfig(traces=("x",), semantics="seed", batching="copies",
+                           match_probability=2.0)
+  with pytest.raises(ValueError, match="is for semantics='seed' only"):
+    simulator.BoundsConfig(traces=("x",), match_probability=0.5)
+  empty = tmp_path / "combined_none.jsonl"
+  empty.write_text("")
+  with pytest.raises(ValueError, match="has no records"):
+    simulator.run_bounds(simulator.BoundsConfig(traces=(str(empty),)))
+  # The seed rows keep the number of requests they drew (2 of the file's 3).
+  path = tmp_path / "combined_gsm8k.jsonl"
+  path.write_text("\n".join(json.dumps(r.to_json()) for r in [REC, REC, REC]) + "\n")
+  df = simulator.run_bounds(simulator.BoundsConfig(
+      traces=(str(path),), semantics="seed", batching="copies", num_requests=2,
+      batch_sizes=(1,), fixed_k=(1,), cost_model="seed-llama8b-h100"))
+  assert (df.num_requests == 2).all() and (df.match_probability == 0.2).all()

@@ -173,6 +173,8 @@ def test_seed_format_and_errors(tmp_path):
   # A method's acc_len length is its output length (the seed's EAGLE-3 runs differ).
   short = traces.TraceRecord.from_json({**line, "acc_eagle": {"acc_len": [1, 1]}})
   assert short.methods["eagle"].acc_len.tolist() == [1, 1]
+  with pytest.raises(ValueError, match="acc_len is empty but the request has 3 generated"):
+    traces.TraceRecord.from_json({**line, "acc_eagle": {"acc_len": []}})
   with pytest.raises(ValueError, match="must be a list of ints"):
     traces.TraceRecord.from_json({**line, "acc_eagle": {"acc_len": [[1], [1]]}})
   with pytest.raises(ValueError, match="has value 0 at position 1"):

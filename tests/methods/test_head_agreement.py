@@ -76,6 +76,9 @@ def test_head_agreement_matches_training_evaluation(target, kind):
   assert np.all(np.diff(agree.chain) <= 1e-12)
   if kind == "eagle3":
     assert agree.chain[0] == pytest.approx(agree.top1[0])
+  if kind == "mtp":  # one module per depth
+    with pytest.raises(ValueError, match="depth=4 must be <= 3"):
+      head_agreement(head, target, data, depth=4)
   with pytest.raises(ValueError, match="depth=0"):
     head_agreement(head, target, data, depth=0)
   with pytest.raises(ValueError, match="at least one"):

@@ -44,6 +44,15 @@ def test_the_reported_cases(method, options):
     make_method(method, 4, **options)
 
 
+def test_unknown_options_and_numpy_scalars():
+  import numpy as np  # noqa: PLC0415
+
+  with pytest.raises(ValueError, match=r"options \['nope'\] are not options of method 'ngram'"):
+    make_method("ngram", 4, nope=1)
+  assert make_method("ngram", 4, n_max=np.int64(3)).n_max == 3
+  assert make_method("svip", 4, h=np.float32(0.5)).h == 0.5
+
+
 def test_right_types_pass():
   assert make_method("svip", 4, h=1).h == 1  # an int for a float
   assert make_method("eagle3", 4, feature_layers=[1, 2, 3]).feature_layers is not None
