@@ -254,6 +254,17 @@ for step in "$@"; do
             --output_dir="$OUT/e3prof_k${k}_${impl%%,*}"
         done
       done ;;
+    eagle3_trees)  # the zoo EAGLE-3 head on MT-Bench drafting fused chains and EAGLE-2
+      # trees: E3_TREES lists K:NODES:BRANCHING (NODES 0 = a chain of K drafts)
+      for cfg in ${E3_TREES:-3:0:4 3:4:2 4:8:4 5:12:4}; do
+        IFS=: read -r k n b <<< "$cfg"
+        run "e3tree_k${k}_n${n}_b${b}" evaluate --target=smollm2-135m --methods=ar,eagle3 \
+          --method_option=eagle3.head_path=${EAGLE3_HEAD:-smollm2-135m-eagle3} \
+          --method_option=eagle3.tree_nodes=$n --method_option=eagle3.tree_branching=$b \
+          --num_speculative_tokens=$k --categories=mt_bench --num_prompts=${E3_PROMPTS:-16} \
+          --batch_sizes=1 --repeats=${E3_REPEATS:-3} --noplots ${E3_ARGS:-} \
+          --output_dir="$OUT/e3tree_k${k}_n${n}_b${b}"
+      done ;;
     eagle3_agreement)  # that head's offline agreement on the same prompts (what greedy SD
       # can accept: methods.training.agreement), at the evaluation's precision and JAX's default
       for p in highest default; do

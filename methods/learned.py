@@ -23,16 +23,17 @@ Drafting respects the rows' budgets (``ProposeContext.budgets``): a chain step r
 and depth ``min(k, max(budgets))`` (its best nodes, so the same first nodes as the full
 tree), and a step where every budget is 0 runs no head at all.
 
-Chains (``tree_nodes == 0``, no ``stop_entropy``) run fused by default
+Chains and trees (without ``stop_entropy``) run fused by default
 (``Capabilities.runs_on`` "fused"): the features live on the device in a paged pool
 beside the target's KV (``FeaturePool``: position p of a row at the row's KV page
 ``p // page_size``, offset ``p % page_size``), written from the target's hidden states
 of every prefill chunk (``prefill_device``) and of every engine iteration
 (``observe_device``: all L + 1 rows, as the KV; a rejected draft's row is rewritten
 before its position is committed), and ``propose_device`` gathers each row's window from
-the page table and runs ``head.draft`` inside the engine's one device call, so these
-heads iterate asynchronously like AR. ``fused=False``, trees and SVIP's
-``stop_entropy`` take the host-called path (``Capabilities.runs_on`` "device"), one
+the page table and runs ``head.draft`` (or ``draft_tree``: a tree step's features are
+written after verification, from the accepted path's rows in commit order) inside the
+engine's one device call, so these heads iterate asynchronously like AR. ``fused=False``
+and SVIP's ``stop_entropy`` take the host-called path (``Capabilities.runs_on`` "device"), one
 synchronous engine step each: the feature window is kept on the host, so every step
 reads the target's hidden rows back and sends the window to the head's jitted call.
 """
@@ -341,7 +342,7 @@ class LearnedHeadMethod(Method):
     layers = (self._saved_config().feature_layers if self.head_path is not None
               else self.feature_layers)
     tree = self.tree_nodes > 0
-    fused = self.fused and not tree and self.stop_entropy is None
+    fused = self.fused and self.stop_entropy is None
     return Capabilities(runs_on="fused" if fused else "device", emits_draft_probs=not tree,
                         target_hidden_layers=layers, tree=tree)
 
@@ -400,11 +401,21 @@ class LearnedHeadMethod(Method):
 
   def propose_device(self, params: HeadParams, state: FeaturePool, rows, *, all_greedy):
     """k head steps for every row from its device window (``feature_window``), as the
-    host path's ``head_draft_step``; rows with one committed token (no feature yet)
-    draft nothing."""
+    host path's ``head_draft_step`` (``tree_nodes > 0``: its ``head_tree_step`` tree of
+    depth k, with ``parents``); rows with one committed token (no feature yet) draft
+    nothing."""
     toks, feats, num_valid, positions = feature_window(
         state.feats, rows.page_indices, rows.tokens, rows.num_tokens, params.window,
         page_size=state.page_size)
+    if self.tree_nodes:  # the whole tree; the engine keeps each row's first budget nodes
+      out, parents = head_tree_step(
+          params.head_graphdef, params.head_state, params.target_graphdef,
+          params.target_params, toks, feats, num_valid, positions, depth=self.k,
+          branching=self.tree_branching, num_nodes=self.tree_nodes)
+      num = jnp.where(rows.num_tokens >= 2, rows.budgets, 0).astype(jnp.int32)
+      keep = jnp.arange(self.tree_nodes)[None] < num[:, None]
+      return state, DeviceDraft(jnp.where(keep, out, -1), num,
+                                parents=jnp.where(keep, parents, -1))
     out, probs, _ = _head_draft(
         params.head_graphdef, params.head_state, params.target_graphdef, params.target_params,
         toks, feats, num_valid, positions, rows.temperature, rows.top_k, rows.top_p, rows.keys,

@@ -527,17 +527,18 @@ class Engine:
     batch = bucket(len(rows), cfg.max_num_seqs)
     ends = [len(st.tokens) + extra[st.request.request_id] for st in rows]
     width = self._pages_bucket(ends)
-    sampler, fused, _ = self._sampler_plan(rows, False)
+    tree = self.fused and self.caps.tree
+    sampler, fused, _ = self._sampler_plan(rows, tree)
     sb = build_batch(batch=batch, width=width, length=0,
                      page_tables=[st.pages[: pages_needed(n, cfg.page_size)]
                                   for st, n in zip(rows, ends)],
                      slots=[st.slot for st in rows])
-    plan = self._plan(sampler, fused, length, host=False, iterations=iterations)
+    plan = self._plan(sampler, fused, length, tree=tree, host=False, iterations=iterations)
     results, _ = self._dispatch(plan, sb)
     for st in rows:
       st.inflight_tokens += advance
     self._inflight.append({"rows": rows, "results": results, "batch": batch, "width": width,
-                           "length": length, "advance": advance,
+                           "length": length, "advance": advance, "tree": tree,
                            "dispatch_s": time.perf_counter() - t0})
     depth = 1 if self.runs_ahead else 0
     while len(self._inflight) > depth:
@@ -561,9 +562,10 @@ class Engine:
     for result in results:
       skip = [st.finish_reason is not None or result[i, -1] < 0 for i, st in enumerate(rows)]
       num_draft = result[: len(rows), -2]
+      reach = result[: len(rows), -3] if call["tree"] else None
       res = commit_rows(rows, result, num_draft, k=self.k, eos_ids=self.eos_ids,
                         max_model_len=self.config.max_model_len, decode=self.decode,
-                        now=now, skip=skip)
+                        now=now, reach=reach, skip=skip)
       for st in res.finished:
         self._release(sched, st)
       committed = [st for st, s in zip(rows, skip) if not s]

@@ -30,8 +30,10 @@ class Capabilities:
     emits_draft_probs: True if ``Draft.probs`` carries q (needed for stochastic
       verification against a real draft distribution).
     target_hidden_layers: HF ``hidden_states`` indices of the target the method reads.
-    tree: True if the method drafts trees (``Draft.parents``); informational: the
-      engine treats a draft as a tree exactly when it carries ``parents``.
+    tree: True if the method drafts trees (``Draft.parents``). Host-called drafts are
+      trees exactly when they carry ``parents``; a fused proposer's steps are all tree
+      steps when this is True (its ``DeviceDraft`` must carry ``parents``) and chain
+      steps otherwise.
     needs_draft_model: True if the method needs ``--draft``.
     drafts_in_target_kv: True if the method drafts with the target's own layers into
       the target's KV pool: ``propose`` gets the pool as ``ProposeContext.kv_caches``
@@ -200,12 +202,15 @@ class DeviceRows:
 @dataclasses.dataclass(frozen=True)
 class DeviceDraft:
   """A fused proposer's draft: ``tokens i32[B, k]`` (-1 padded), ``num_tokens i32[B]``
-  (the engine keeps at most each row's budget and the step's width), optional ``probs
-  f32[B, k, V]`` (q; None: one-hot drafts)."""
+  (the engine keeps at most each row's budget and the step's width: a tree's first
+  nodes), optional ``probs f32[B, k, V]`` (q; None: one-hot drafts), optional
+  ``parents i32[B, k]`` (a tree, as ``Draft.parents``: -1 = child of the pending token,
+  parents before children; the method's ``Capabilities.tree`` must be True)."""
 
   tokens: jax.Array
   num_tokens: jax.Array
   probs: Any = None
+  parents: Any = None
 
 
 class Method(abc.ABC):

@@ -93,7 +93,8 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
     plans = [(0, True)] + [(n, True) for n in sorted({bucket(i, engine.k)
                                                        for i in range(1, engine.k + 1)})]
   rows = [RequestState(r, np.zeros(2, np.uint32), list(r.prompt_token_ids)) for r in requests]
-  sampler, fused, _ = engine._sampler_plan(rows, False)
+  tree = engine.fused and engine.caps.tree
+  sampler, fused, _ = engine._sampler_plan(rows, tree)
   engine.slots = engine._commit(init_slots(cfg.max_num_seqs, cfg.max_model_len,
                                            engine._num_stop_ids(requests)))
   if engine.fused:  # committed as in Engine.generate: the same placement signatures
@@ -114,7 +115,7 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
         for length, host in plans:
           sb = build_batch(batch=batch, width=width, length=length if host else 0,
                            page_tables=[], slots=[])
-          plan = engine._plan(sampler, fused, length, host=host,
+          plan = engine._plan(sampler, fused, length, tree=tree and not host, host=host,
                               iterations=1 if host else cfg.steps_per_dispatch)
           decode.append((plan, sb))
   prefill = [_prefill_args(engine, *shape) for shape in prefill_shapes(

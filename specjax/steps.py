@@ -20,6 +20,7 @@ from pallas_kernels.paged_attention import copy_kv
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.method import DeviceRows
 from specjax.slots import SlotState, slot_rows
+from specjax.tree import device_tree_arrays
 from specjax.verify import fused_rejection_sample, rejection_sample, tree_rejection_sample
 
 __all__ = ["SAMPLERS", "SplitModel", "StepPlan", "commit_on_device", "engine_step", "forward_step",
@@ -140,7 +141,8 @@ class StepPlan:
       (``fused_rejection_sample``: temperature only), "fused+jnp" (both; rows with
       top-k or top-p take the jnp result).
     tree: the step verifies tree drafts (``tree_rejection_sample``; sampler is
-      "greedy" or "jnp"); host drafts only.
+      "greedy" or "jnp"): the host's (``tree_arrays``) or a fused proposer's
+      (``DeviceDraft.parents``; mask and positions made on the device).
     host_drafts: the drafts come from the host (the batch's columns, or the
       ``draft_tokens`` argument), not from a fused proposer.
     num_iterations: engine iterations run by this one call (``lax.scan``; each row's
@@ -186,7 +188,7 @@ class StepPlan:
                        f"hidden_layers={self.hidden_layers})")
     if self.num_iterations < 1:
       raise ValueError(f"num_iterations={self.num_iterations} must be >= 1")
-    if self.num_iterations > 1 and (self.host_drafts and self.length or self.tree
+    if self.num_iterations > 1 and (self.host_drafts and self.length
                                     or self.hidden_layers):
       raise ValueError("several iterations per call need a fused proposer or plain decoding "
                        f"(length={self.length}, host_drafts={self.host_drafts}, "
@@ -337,6 +339,10 @@ def _iteration(plan: StepPlan, proposer, graphdef, params, proposer_params, batc
     source, num_draft = draft.tokens[:, :length], draft.num_tokens
     if draft.probs is not None:
       probs = draft.probs[:, :length]
+    if plan.tree:
+      if draft.parents is None:
+        raise ValueError("a fused tree step needs DeviceDraft.parents")
+      tree_arrays = draft.parents[:, :length]
   num_draft = jnp.minimum(jnp.minimum(num_draft, budgets), length).astype(jnp.int32)
   valid = jnp.arange(length)[None] < num_draft[:, None]
   drafts = jnp.where(valid, source, -1).astype(jnp.int32)
@@ -345,9 +351,15 @@ def _iteration(plan: StepPlan, proposer, graphdef, params, proposer_params, batc
   q_lens = jnp.where(active, 1 + num_draft, 0).astype(jnp.int32)
   kv_lens = jnp.where(active, n_tok + num_draft, 0).astype(jnp.int32)
   meta = AttentionMetadata(batch.page_indices, kv_lens, q_lens)
-  parents = None
+  parents = reach = None
   if plan.tree:
-    parents, mask, tree_pos = tree_arrays
+    if plan.host_drafts:
+      parents, mask, tree_pos = tree_arrays
+    else:  # the first num_draft nodes of the proposer's tree (a prefix is a tree)
+      parents = jnp.where(valid, tree_arrays, -1).astype(jnp.int32)
+      depths, mask, tree_pos = device_tree_arrays(parents, num_draft,
+                                                  jnp.maximum(n_tok - 1, 0), length + 1)
+      reach = jnp.max(depths, axis=1, initial=0)
     meta = AttentionMetadata(batch.page_indices, kv_lens, q_lens, tree_mask=mask,
                              positions=tree_pos)
   model = nnx.merge(graphdef, params)
@@ -358,16 +370,21 @@ def _iteration(plan: StepPlan, proposer, graphdef, params, proposer_params, batc
                          logits_indices=logits_idx,
                          implementation=plan.attention_implementation)
   hidden = out.hidden
-  if plan.proposer_hidden_layers:  # e.g. a learned head's features, kept on the device
+  if plan.proposer_hidden_layers and not plan.tree:  # e.g. a learned head's features
     pstate = proposer.observe_device(proposer_params, pstate, view, tuple(hidden), meta)
     hidden = ()
   toks, acc, nodes = _verify(plan, out.logits, drafts, parents, num_draft, probs, rows, n_tok)
   if plan.tree:
     kv_caches, hidden = _tree_path_fixups(kv_caches, batch.page_indices, nodes, acc, n_tok,
                                           hidden, plan.num_layers)
+    if plan.proposer_hidden_layers:  # the accepted path's rows, in commit order
+      pstate = proposer.observe_device(proposer_params, pstate, view, tuple(hidden), meta)
+      hidden = ()
   slots, kept, _ = commit_on_device(slots, batch.slots, rows, toks, active)
-  result = jnp.concatenate([kept, num_draft[:, None], jnp.where(active, acc, -1)[:, None]],
-                           axis=1).astype(jnp.int32)
+  tail = [num_draft[:, None], jnp.where(active, acc, -1)[:, None]]
+  if reach is not None:
+    tail.insert(0, reach[:, None])
+  result = jnp.concatenate([kept, *tail], axis=1).astype(jnp.int32)
   return (kv_caches, slots, pstate), result, tuple(hidden)
 
 
@@ -391,14 +408,16 @@ def engine_step(graphdef, params, kv_caches, slots, proposer_params, proposer_st
     draft_tokens: ``i32[B, >= L]`` device drafts of a host-called proposer, or None.
     draft_probs: ``f32[B, L, V]`` or None (``plan.has_draft_probs``).
     tree_arrays: None, or ``(parents i32[B, L], tree_mask bool[B, L+1, L+1], positions
-      i32[B, L+1])`` for tree steps.
+      i32[B, L+1])`` for tree steps of host drafts (a fused proposer's trees: None).
     plan: ``StepPlan`` (static). proposer: the fused ``Method`` (static) or None.
 
   Returns:
     ``(kv_caches, slots, proposer_state, result i32[N, B, L+3], hidden)``: per iteration
     n and row b, ``result[n, b, :L+1]`` the committed tokens (-1 padded; the stop rules
-    already applied), ``result[n, b, L+1]`` the drafts verified, ``result[n, b, L+2]`` the
-    accepted drafts (-1: the row was inactive: padding, or finished on the device);
+    already applied), ``result[n, b, -2]`` the drafts verified, ``result[n, b, -1]`` the
+    accepted drafts (-1: the row was inactive: padding, or finished on the device); a
+    fused proposer's tree steps have one more column, ``result[n, b, L+1]``, the deepest
+    node verified (``[N, B, L+4]``);
     ``hidden`` a tuple of ``[B, L+1, D]`` target hidden states of the last iteration.
   """
   from specjax.batch import unpack_batch  # noqa: PLC0415 (batch imports the kernel metadata)

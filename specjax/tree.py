@@ -1,4 +1,5 @@
-"""Draft trees on the host: validation, depths, the verify step's mask and positions.
+"""Draft trees: validation, depths, the verify step's mask and positions (numpy on the
+host; ``device_tree_arrays`` computes the same in jnp inside a fused step).
 
 A tree draft is ``Draft.tokens i32[B, L]`` with ``Draft.parents i32[B, L]``: node j's
 parent is node ``parents[j]`` or, for -1, the root (the pending token, whose KV is not
@@ -19,10 +20,13 @@ A chain is the tree ``parents = [-1, 0, 1, ..]`` (``chain_parents``).
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
     "chain_parents",
+    "device_tree_arrays",
     "node_depths",
     "path_moves",
     "tree_mask",
@@ -126,3 +130,39 @@ def path_moves(accepted_nodes: np.ndarray, num_accepted: np.ndarray, starts: np.
   move = on_path & (src != dst)
   return (np.where(move, src, -1).astype(np.int32), np.where(move, dst, -1).astype(np.int32),
           bool(move.any()))
+
+
+def device_tree_arrays(parents: jax.Array, num_nodes: jax.Array, starts: jax.Array,
+                       num_tokens: int):
+  """``node_depths``, ``tree_mask`` and ``tree_positions`` in jnp (traceable), for tree
+  drafts made on the device (a fused proposer's ``DeviceDraft.parents``).
+
+  Args:
+    parents: ``i32[B, L]`` (valid for the first ``num_nodes`` nodes of each row).
+    num_nodes: ``i32[B]`` real nodes per row.
+    starts: ``i32[B]`` root positions.
+    num_tokens: T = L + 1, the verify step's width (static).
+
+  Returns:
+    ``(depths i32[B, L], mask bool[B, T, T], positions i32[B, T])``, equal to the numpy
+    functions' results.
+  """
+  batch, length = parents.shape
+  idx = jnp.arange(num_tokens)
+  mask = jnp.broadcast_to((idx[:, None] == idx[None]) | (idx[None] == 0),
+                          (batch, num_tokens, num_tokens))
+  depths = jnp.zeros((batch, length), jnp.int32)
+  rows = jnp.arange(batch)
+  for j in range(min(length, num_tokens - 1)):  # static: straight-line code
+    real = j < num_nodes
+    par = jnp.maximum(parents[:, j], -1)
+    d = jnp.where(par < 0, 1, depths[rows, jnp.maximum(par, 0)] + 1)
+    depths = depths.at[:, j].set(jnp.where(real, d, 0))
+    inherited = mask[rows, par + 1]  # [B, T]
+    mask = mask.at[:, j + 1].set(jnp.where(real[:, None], inherited | (idx == j + 1)[None],
+                                           mask[:, j + 1]))
+  offset = jnp.broadcast_to(idx.astype(jnp.int32), (batch, num_tokens))
+  n = min(length, num_tokens - 1)
+  real = jnp.arange(n)[None] < num_nodes[:, None]
+  offset = offset.at[:, 1:1 + n].set(jnp.where(real, depths[:, :n], offset[:, 1:1 + n]))
+  return depths, mask, (starts.astype(jnp.int32)[:, None] + offset).astype(jnp.int32)

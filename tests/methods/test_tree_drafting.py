@@ -82,6 +82,21 @@ def test_greedy_tree_sd_equals_ar(target, ar_outputs, kind, workload):
              if s.num_draft_tokens)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_fused_tree_equals_host_called_tree(target, kind):
+  """Trees drafted inside the fused step (device mask, positions and features written
+  after the path fix-ups) commit exactly what the host-called tree path does."""
+  requests = _requests(*WORKLOADS["batch3"])
+  host_method = _method(kind, fused=False, **TREE)
+  fused_method = _method(kind, **TREE)
+  assert host_method.capabilities().runs_on == "device"
+  assert fused_method.capabilities().runs_on == "fused"
+  host = _counters(*Engine(target, host_method, ENGINE).generate(requests))
+  fused = _counters(*Engine(target, fused_method, ENGINE).generate(requests))
+  assert fused == host
+  assert sum(n for _, _, _, n in host[0]) > 0  # some drafts accepted
+
+
 def _counters(outputs, metrics):
   return ([(o.output_token_ids, o.num_steps, o.num_draft_tokens, o.num_accepted_tokens)
            for o in outputs],

@@ -1,10 +1,12 @@
-"""Host tree helpers (``specjax.tree``) on the module docstring's worked example."""
+"""Tree helpers (``specjax.tree``) on the module docstring's worked example; the device
+(jnp) arrays equal the host's on random trees."""
 
 import numpy as np
 import pytest
 
 from specjax.tree import (
     chain_parents,
+    device_tree_arrays,
     node_depths,
     path_moves,
     tree_mask,
@@ -47,3 +49,24 @@ def test_validate_tree_rejects_bad_parents(bad):
   with pytest.raises(ValueError, match="must be in"):
     validate_tree(np.array([bad]), np.array([3]))
   validate_tree(np.array([bad]), np.array([1]))  # only real nodes are checked
+
+
+def test_device_tree_arrays_equal_the_host_ones():
+  rng = np.random.default_rng(0)
+  batch, length = 6, 7
+  # Random parents-first trees, ragged node counts (0 .. L), zeros past them.
+  parents = np.zeros((batch, length), np.int32)
+  num = rng.integers(0, length + 1, batch).astype(np.int32)
+  num[0] = length
+  for b in range(batch):
+    for j in range(num[b]):
+      parents[b, j] = rng.integers(-1, j)
+  starts = rng.integers(0, 50, batch).astype(np.int32)
+  for width in (length + 1, 4):  # T = L + 1, and a verify narrower than the tree
+    depths, mask, pos = device_tree_arrays(parents[:, :width - 1], num.clip(0, width - 1),
+                                           starts, width)
+    ref_num = num.clip(0, width - 1)
+    np.testing.assert_array_equal(depths, node_depths(parents[:, :width - 1], ref_num))
+    np.testing.assert_array_equal(mask, tree_mask(parents[:, :width - 1], ref_num, width))
+    np.testing.assert_array_equal(pos, tree_positions(parents[:, :width - 1], ref_num, starts,
+                                                      width))
