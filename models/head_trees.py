@@ -115,12 +115,13 @@ def eagle2_tree(head, target, tokens, feats, num_valid, positions, depth: int,
   pad = ((0, 0), (0, extra), (0, 0), (0, 0))
   k, v = jnp.pad(k, pad), jnp.pad(v, pad)
 
-  def logits_of(g):
-    return head.to_target_logits(head.draft_logits(target, g))
+  def children(g):  # top-b over the head's own (draft) vocabulary, as target ids
+    tok, lp = top_children(head.draft_logits(target, g), b)
+    return head.to_target_ids(tok), lp
 
   root_mask = jnp.concatenate([real, jnp.zeros((batch, extra), bool)], 1)[:, None]
   g = head.layer(x_attn[:, -1:], resid[:, -1:], positions[:, None], k, v, root_mask)
-  tok, score = top_children(logits_of(g[:, 0]), b)  # [B, b]
+  tok, score = children(g[:, 0])  # [B, b]
   cand_tok, cand_score, cand_par = [tok], [score], [jnp.full((batch, b), -1, jnp.int32)]
   front_idx = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32), (batch, b))
   front_g = jnp.broadcast_to(g, (batch, b, g.shape[-1]))
@@ -137,7 +138,7 @@ def eagle2_tree(head, target, tokens, feats, num_valid, positions, depth: int,
     vis = front_vis | own[None]
     mask = jnp.concatenate([jnp.broadcast_to(real[:, None], (batch, b, width)), vis], 2)
     g = head.layer(q_attn, q_resid, q_pos, k, v, mask)  # [B, b, D]
-    child_tok, child_lp = top_children(logits_of(g), b)  # [B, b, b]
+    child_tok, child_lp = children(g)  # [B, b, b]
     child_score = (score[:, :, None] + child_lp).reshape(batch, b * b)
     child_tok = child_tok.reshape(batch, b * b)
     cand_tok.append(child_tok)

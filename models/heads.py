@@ -80,6 +80,7 @@ __all__ = [
     "load_head",
     "make_head",
     "num_params",
+    "restrict_draft_vocab",
     "save_head",
     "validate_vocab_map",
 ]
@@ -394,6 +395,14 @@ class EagleHead(nnx.Module):
       return logits
     full = jnp.full(logits.shape[:-1] + (self.cfg.vocab_size,), -jnp.inf, jnp.float32)
     return full.at[..., self.d2t[...]].set(logits)
+
+  def to_target_ids(self, draft_ids):
+    """Draft-vocabulary ids ``i32[...]`` -> target ids (the identity without a reduced
+    vocabulary). The map is sorted, so the order of ids (and argmax / top-k ties) is
+    the same in both vocabularies."""
+    if self.cfg.kind == "eagle" or self.cfg.draft_vocab_size is None:
+      return draft_ids
+    return self.d2t[...][draft_ids]
 
   # -- drafting
   def draft(self, target, tokens, feats, num_valid, positions, num_steps: int, pick: DraftFn):
@@ -799,6 +808,49 @@ def load_head(path: str, target: ModelConfig | None = None) -> nnx.Module:
   nnx.replace_by_pure_dict(state, params)
   nnx.update(head, state)
   return head
+
+
+def restrict_draft_vocab(head: EagleHead, lm_weight, draft_to_target) -> EagleHead:
+  """An EAGLE-3 head that drafts from a subset of the target vocabulary, made without
+  training: FR-Spec (Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary Language
+  Models via Frequency-Ranked Speculative Sampling") keeps the target LM head's rows of
+  the most frequent tokens, so each draft step's LM head reads ``V'`` of ``V`` rows.
+  Tokens outside the subset are never drafted; verification is unchanged (lossless).
+
+  Args:
+    head: an ``EagleHead`` of kind "eagle3" that uses the target's LM head
+      (``draft_vocab_size`` None).
+    lm_weight: the target LM head ``[D, V]`` (the tied embedding transposed).
+    draft_to_target: ``i32[V']`` the kept target ids (sorted, distinct, in [0, V)).
+
+  Returns:
+    A new head: the same weights, ``draft_vocab_size = V'``, ``lm_head = lm_weight[:, ids]``.
+
+  Raises:
+    ValueError: another kind, a head with its own vocabulary, a weight of another shape,
+      or a map that is not sorted and distinct ids in [0, V).
+  """
+  cfg = head.cfg
+  if cfg.kind != "eagle3" or cfg.draft_vocab_size is not None:
+    raise ValueError(f"head kind={cfg.kind!r}, draft_vocab_size={cfg.draft_vocab_size} must "
+                     "be an eagle3 head on the target's LM head (draft_vocab_size None)")
+  lm_weight = np.asarray(lm_weight, np.float32)
+  if lm_weight.shape != (cfg.hidden_size, cfg.vocab_size):
+    raise ValueError(f"lm_weight shape={lm_weight.shape} must be (D, V)="
+                     f"({cfg.hidden_size}, {cfg.vocab_size})")
+  ids = np.asarray(draft_to_target)
+  if ids.ndim != 1 or not 1 <= ids.shape[0] <= cfg.vocab_size or np.any(np.diff(ids) <= 0):
+    raise ValueError(f"draft_to_target shape={ids.shape} must be [V'] with 1 <= V' <= "
+                     f"{cfg.vocab_size}, sorted and distinct")
+  new_cfg = dataclasses.replace(cfg, draft_vocab_size=int(ids.shape[0]))
+  ids = validate_vocab_map(ids, new_cfg.draft_vocab_size, cfg.vocab_size)
+  out = make_head(new_cfg, 0, ids)
+  state = nnx.state(out, nnx.Param)
+  params = nnx.to_pure_dict(nnx.state(head, nnx.Param))
+  params["lm_head"] = jnp.asarray(lm_weight[:, ids])
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(out, state)
+  return out
 
 
 def num_params(head: nnx.Module) -> int:

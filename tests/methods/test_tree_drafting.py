@@ -28,7 +28,7 @@ from test_learned_heads import ENGINE, LAYERS, MAX_LEN, VOCAB, WORKLOADS, Oracle
 from methods.eagle3 import Eagle3
 from methods.registry import make_method
 from models.head_trees import medusa_tree, select_top_nodes
-from models.heads import HeadConfig, make_head
+from models.heads import HeadConfig, make_head, restrict_draft_vocab
 from models.testing import full_forward, random_model, tiny_config
 from specjax.engine import Engine
 from specjax.steps import split_model
@@ -278,3 +278,50 @@ def test_eagle2_nodes_are_top_children_along_their_paths(target):
     scores.append(sum(lp[j, t] for j, t in enumerate(path)))
   assert all(a >= c - 1e-5 for a, c in zip(scores, scores[1:]))  # rank order
   assert len(set(_paths(toks, pars))) == n
+
+
+def test_restricted_vocab_head_drafts_the_best_kept_tokens(target):
+  """FR-Spec pruning (``restrict_draft_vocab``): with every id kept the head drafts what
+  it drafted before (chain and tree); with a subset its logits are the original's on
+  the subset (-inf elsewhere) and every tree node is a kept id."""
+  cfg = HeadConfig.for_target("eagle3", target.config, feature_layers=LAYERS["eagle3"],
+                              window=8)
+  head = make_head(cfg, seed=4)
+  tmodel = nnx.merge(target.graphdef, target.params)
+  lm_weight = np.asarray(jax.vmap(tmodel.lm_logits)(jnp.eye(cfg.hidden_size)))  # [D, V]
+  rng = np.random.default_rng(3)
+  width = 8
+  tokens = jnp.asarray(rng.integers(0, VOCAB, (1, width)), jnp.int32)
+  feats = jnp.asarray(rng.standard_normal((1, width, cfg.feature_dim)), jnp.float32)
+  num_valid, positions = jnp.asarray([6]), jnp.asarray([20])
+
+  def pick(logits, j):
+    return jnp.argmax(logits, -1).astype(jnp.int32), logits
+
+  def run(h):
+    chain, logits = jax.jit(lambda: h.draft(tmodel, tokens, feats, num_valid, positions, 3,
+                                            pick))()
+    tree = jax.jit(lambda: h.draft_tree(tmodel, tokens, feats, num_valid, positions, 3, 2, 6))()
+    return np.asarray(chain), np.asarray(logits), [np.asarray(a) for a in tree]
+
+  chain, logits, tree = run(head)
+  full = restrict_draft_vocab(head, lm_weight, np.arange(VOCAB))
+  f_chain, f_logits, f_tree = run(full)
+  np.testing.assert_array_equal(f_chain, chain)
+  np.testing.assert_allclose(f_logits, logits, rtol=1e-5, atol=1e-5)
+  for a, b in zip(f_tree, tree):
+    np.testing.assert_array_equal(a, b)
+
+  kept = np.sort(rng.permutation(VOCAB)[: VOCAB // 3])
+  small = restrict_draft_vocab(head, lm_weight, kept)
+  assert small.cfg.draft_vocab_size == len(kept)
+  s_chain, s_logits, (s_tokens, _) = run(small)
+  # Step 0 sees the same window: its logits are the original's on the kept ids.
+  np.testing.assert_allclose(s_logits[0, 0, kept], logits[0, 0, kept], rtol=1e-5, atol=1e-5)
+  assert np.all(np.isneginf(np.delete(s_logits[0, 0], kept)))
+  assert s_chain[0, 0] == kept[np.argmax(logits[0, 0, kept])]
+  assert np.isin(s_tokens, kept).all() and np.isin(s_chain, kept).all()
+  with pytest.raises(ValueError, match="sorted and distinct"):
+    restrict_draft_vocab(head, lm_weight, kept[::-1])
+  with pytest.raises(ValueError, match="target's LM head"):
+    restrict_draft_vocab(small, lm_weight, kept)
