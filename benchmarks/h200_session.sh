@@ -254,16 +254,28 @@ for step in "$@"; do
             --output_dir="$OUT/e3prof_k${k}_${impl%%,*}"
         done
       done ;;
+    prune_heads)  # FR-Spec copies of the zoo EAGLE-3 head from the carried id maps
+      # .stage/vocab_maps/vN.npy (experiments.prune_draft_vocab) -> heads/smollm2-135m-eagle3-vN
+      for m in .stage/vocab_maps/v*.npy; do
+        v=$(basename "$m" .npy)
+        run "prune_$v" python3 -m experiments.prune_draft_vocab \
+          --head_path=smollm2-135m-eagle3 --vocab_size="${v#v}" --vocab_map="$m" \
+          --output_dir="${SPECJAX_CACHE:?}/heads/smollm2-135m-eagle3-$v"
+      done ;;
     eagle3_trees)  # the zoo EAGLE-3 head on MT-Bench drafting fused chains and EAGLE-2
-      # trees: E3_TREES lists K:NODES:BRANCHING (NODES 0 = a chain of K drafts)
+      # trees: E3_TREES lists K:NODES:BRANCHING[:VOCAB] (NODES 0 = a chain of K drafts;
+      # VOCAB, e.g. v16384, picks the prune_heads copy)
       for cfg in ${E3_TREES:-3:0:4 3:4:2 4:8:4 5:12:4}; do
-        IFS=: read -r k n b <<< "$cfg"
-        run "e3tree_k${k}_n${n}_b${b}" evaluate --target=smollm2-135m --methods=ar,eagle3 \
-          --method_option=eagle3.head_path=${EAGLE3_HEAD:-smollm2-135m-eagle3} \
+        IFS=: read -r k n b v <<< "$cfg"
+        head=${EAGLE3_HEAD:-smollm2-135m-eagle3}
+        [ -n "$v" ] && head=$SPECJAX_CACHE/heads/smollm2-135m-eagle3-$v
+        name="e3tree_k${k}_n${n}_b${b}${v:+_$v}"
+        run "$name" evaluate --target=smollm2-135m --methods=ar,eagle3 \
+          --method_option=eagle3.head_path=$head \
           --method_option=eagle3.tree_nodes=$n --method_option=eagle3.tree_branching=$b \
           --num_speculative_tokens=$k --categories=mt_bench --num_prompts=${E3_PROMPTS:-16} \
           --batch_sizes=1 --repeats=${E3_REPEATS:-3} --noplots ${E3_ARGS:-} \
-          --output_dir="$OUT/e3tree_k${k}_n${n}_b${b}"
+          --output_dir="$OUT/$name"
       done ;;
     eagle3_agreement)  # that head's offline agreement on the same prompts (what greedy SD
       # can accept: methods.training.agreement), at the evaluation's precision and JAX's default

@@ -26,6 +26,7 @@ from harness.evaluation import (
     default_output_dir,
     run_evaluation,
 )
+from models.layers import SMALL_F32_MATMULS, set_small_f32_matmul, small_f32_matmul
 from specjax.workloads import DATASETS, RANDOM_DATASET
 
 _TARGET = flags.DEFINE_string(
@@ -149,6 +150,14 @@ def parse_method_options(entries: list[str]) -> dict[str, dict[str, object]]:
   return out
 
 
+_SMALL_F32 = flags.DEFINE_enum(
+    "small_f32_matmul", small_f32_matmul()[0], list(SMALL_F32_MATMULS),
+    "models.layers.set_small_f32_matmul: how full-f32 GPU projections of at most "
+    "--small_f32_max_rows rows run (recorded as the small_f32_matmul column).")
+_SMALL_F32_ROWS = flags.DEFINE_integer("small_f32_max_rows", small_f32_matmul()[1],
+                                       "Most rows of such a projection.", lower_bound=0)
+
+
 def config_from_flags() -> EvalConfig:
   """The ``EvalConfig`` the parsed flags describe."""
   draft = _DRAFT.value
@@ -219,6 +228,7 @@ def _verify_implementation(values: list[str]):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  set_small_f32_matmul(_SMALL_F32.value, _SMALL_F32_ROWS.value)  # recorded in each row
   run_evaluation(config_from_flags())  # caller errors: one line (harness.cli)
 
 
