@@ -40,7 +40,7 @@ import math
 import numpy as np
 
 __all__ = ["MATCH_CAP", "MethodTrace", "TraceConfig", "TraceRecord", "build_traces",
-           "match_lengths", "method_traces", "run_traces",
+           "match_lengths", "method_traces", "parse_replay", "replay_requests", "run_traces",
            "read_jsonl", "target_greedy_outputs", "write_jsonl"]
 
 MATCH_CAP = 32
@@ -131,6 +131,74 @@ def read_jsonl(path: str) -> list[TraceRecord]:
   """All records of a JSONL trace file (ours or the seed's)."""
   with open(path) as f:
     return [TraceRecord.from_json(json.loads(line)) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------- replaying traces
+def parse_replay(spec: str) -> tuple[str, str | None]:
+  """``"replay:FILE[:METHOD]"`` -> ``(FILE, METHOD or None)``.
+
+  Raises:
+    ValueError: another form.
+  """
+  if not spec.startswith("replay:") or len(spec) == len("replay:"):
+    raise ValueError(f"acceptance={spec!r} must look like replay:FILE[:METHOD]")
+  body = spec[len("replay:"):]
+  path, _, method = body.partition(":")
+  return path, method or None
+
+
+def replay_requests(records, method: str | None, *, vocab_size: int, seed: int = 0,
+                    num_requests: int | None = None):
+  """Requests that replay ``records``' acceptance (``EngineConfig.acceptance_replay``).
+
+  Each request takes its record's prompt length and the method's output length
+  (``max_tokens`` = len(acc_len), EOS ignored) and carries the method's ``acc_len`` as
+  ``Request.replay_acc_len``; the prompt is the record's ids when they fit
+  ``vocab_size``, else seeded random ids of the same length (e.g. Llama-3 ids on a
+  smaller random-weight shape). Records without output are skipped.
+
+  Args:
+    records: ``TraceRecord`` list (``read_jsonl``).
+    method: the trace method (``acc_<method>``); None: the records' only method.
+    vocab_size: the target's vocabulary.
+    seed: random prompt ids' seed.
+    num_requests: the first this many usable records (None: all).
+
+  Returns:
+    ``list[specjax.request.Request]``, ids the records' ids.
+
+  Raises:
+    ValueError: no method given while a record has several, a record without it, or no
+      usable record.
+  """
+  from specjax.request import Request, SamplingParams  # noqa: PLC0415
+
+  rng = np.random.default_rng(seed)
+  out = []
+  for r in records:
+    name = method
+    if name is None:
+      if len(r.methods) != 1:
+        raise ValueError(f"request {r.request_id!r} has traces {sorted(r.methods)}: name one "
+                         "(replay:FILE:METHOD)")
+      (name,) = r.methods
+    if name not in r.methods:
+      raise ValueError(f"request {r.request_id!r} has no trace for method {name!r}; it has "
+                       f"{sorted(r.methods)}")
+    acc = r.methods[name].acc_len
+    prompt = [int(t) for t in r.prompt_token_ids]
+    if not prompt or not acc.size:
+      continue
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+      prompt = [int(t) for t in rng.integers(0, vocab_size, len(prompt))]
+    out.append(Request(r.request_id, tuple(prompt),
+                       SamplingParams(max_tokens=int(acc.size), ignore_eos=True),
+                       replay_acc_len=tuple(int(a) for a in acc)))
+    if num_requests is not None and len(out) == num_requests:
+      break
+  if not out:
+    raise ValueError("no trace record has a prompt and output to replay")
+  return out
 
 
 # ---------------------------------------------------------------------- building traces

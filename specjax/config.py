@@ -128,6 +128,11 @@ class EngineConfig:
       verification accepts the leading run of Bernoulli draws instead of comparing
       draft and target (vLLM's synthetic rejection sampling); for timing the engine loop
       on random weights. Outputs are NOT lossless.
+    acceptance_replay: replay recorded acceptance (``Request.replay_acc_len``, which
+      every request must then carry): a step at output position i accepts
+      ``min(replay_acc_len[i] - 1, L)`` of a row's L drafts, whatever the drafts and the
+      target (the seed study's traces on random-weight shapes). NOT lossless; exclusive
+      with ``synthetic_acceptance``.
     seed: engine seed for requests without their own.
     mesh: None (one device, no sharding), or a ``("data", "model")``
       ``jax.sharding.Mesh`` of data size 1 (``specjax.sharding.make_mesh``): the target
@@ -150,6 +155,7 @@ class EngineConfig:
   async_scheduling: bool = True
   steps_per_dispatch: int = 2
   synthetic_acceptance: tuple[float, ...] | None = None
+  acceptance_replay: bool = False
   seed: int = 0
   mesh: object = None
   draft_sharding: str = "replicated"
@@ -179,6 +185,9 @@ class EngineConfig:
         raise ValueError(f"synthetic_acceptance={self.synthetic_acceptance!r} must be a "
                          "non-empty sequence of probabilities in [0, 1]")
       object.__setattr__(self, "synthetic_acceptance", rates)
+      if self.acceptance_replay:
+        raise ValueError("acceptance_replay=True and synthetic_acceptance="
+                         f"{self.synthetic_acceptance!r} exclude each other (pick one)")
     for name in ("max_num_seqs", "max_model_len", "page_size", "min_prefill_bucket",
                  "max_num_batched_tokens", "steps_per_dispatch"):
       if getattr(self, name) < 1:

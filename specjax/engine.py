@@ -152,6 +152,23 @@ class Engine:
       vocab = self.target.config.vocab_size
       if min(r.prompt_token_ids) < 0 or max(r.prompt_token_ids) >= vocab:
         raise ValueError(f"request {r.request_id!r}: token ids must be in [0, {vocab})")
+      self._validate_replay(r)
+
+  def _validate_replay(self, r: Request) -> None:
+    """``Request.replay_acc_len`` is given exactly when the engine replays acceptance,
+    with an entry >= 1 for every output position ``max_tokens`` allows."""
+    acc = r.replay_acc_len
+    if not self.config.acceptance_replay:
+      if acc is not None:
+        raise ValueError(f"request {r.request_id!r} carries replay_acc_len but the engine "
+                         "does not replay acceptance (EngineConfig.acceptance_replay=False)")
+      return
+    need = min(r.sampling.max_tokens, self.config.max_model_len - len(r.prompt_token_ids))
+    if acc is None or len(acc) < need or (len(acc) and min(acc) < 1):
+      raise ValueError(
+          f"request {r.request_id!r}: replay_acc_len must hold >= {need} entries >= 1 (one "
+          f"per output position up to max_tokens), got "
+          f"{None if acc is None else f'{len(acc)} entries, min {min(acc, default=None)}'}")
 
   def _sampler_plan(self, rows: list[RequestState], is_tree: bool):
     """``(sampler, fused implementation, jnp_rows)`` of a step (``StepPlan.sampler``;
@@ -313,7 +330,8 @@ class Engine:
       states.append(st)
       sched.add(st)
     self.slots = self._commit(init_slots(cfg.max_num_seqs, cfg.max_model_len,
-                                         self._num_stop_ids(requests)))
+                                         self._num_stop_ids(requests),
+                                         replay=cfg.acceptance_replay))
     self._slot_free = SlotAllocator(cfg.max_num_seqs)
     method_state = self.method.init_state(self.runtime)
     if self.mesh is not None:  # a draft's KV pool, a head's weights: onto the mesh
@@ -451,6 +469,7 @@ class Engine:
         hidden_layers=self.caps.target_hidden_layers if host else (),
         proposer_hidden_layers=() if host else self.caps.target_hidden_layers,
         has_draft_probs=probs, synthetic_acceptance=self.config.synthetic_acceptance,
+        replay=self.config.acceptance_replay,
         num_layers=self.target.config.num_layers)
 
   def _step_args(self, plan, batch, draft_tokens=None, draft_probs=None, tree_arrays=None):

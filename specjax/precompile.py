@@ -96,7 +96,8 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
   tree = engine.fused and engine.caps.tree
   sampler, fused, _ = engine._sampler_plan(rows, tree)
   engine.slots = engine._commit(init_slots(cfg.max_num_seqs, cfg.max_model_len,
-                                           engine._num_stop_ids(requests)))
+                                           engine._num_stop_ids(requests),
+                                           replay=cfg.acceptance_replay))
   if engine.fused:  # committed as in Engine.generate: the same placement signatures
     engine._pparams, engine._pstate = engine._commit(engine.method.init_device(engine.runtime))
   for n in sorted({padded_rows(i) for i in range(1, cfg.max_num_seqs + 1)}):

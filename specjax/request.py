@@ -28,12 +28,19 @@ class Request:
     prompt_token_ids: the prompt (>= 1 token).
     sampling: ``SamplingParams``.
     arrival_time: seconds after the run starts (online mode); 0 = at once.
+    replay_acc_len: measurement only, for an engine with
+      ``EngineConfig.acceptance_replay``: a recorded per-position acceptance trace
+      (``harness.traces``: ``replay_acc_len[i]`` >= 1 tokens committed by a step
+      starting at output position i, one entry per output token up to ``max_tokens``);
+      the step at output position i accepts ``min(replay_acc_len[i] - 1, L)`` of its L
+      drafts instead of verifying them (not lossless). None otherwise.
   """
 
   request_id: object
   prompt_token_ids: tuple[int, ...]
   sampling: SamplingParams = SamplingParams()
   arrival_time: float = 0.0
+  replay_acc_len: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass

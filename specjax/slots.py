@@ -43,6 +43,9 @@ class SlotState:
     temperature: ``f32[S]``; top_k: ``i32[S]``; top_p: ``f32[S]``.
     finished: ``bool[S]`` the device committed a stopping token (EOS / stop id /
       max_tokens / max_model_len); stop strings are the host's.
+    replay_acc: ``i32[S, R]`` replayed acceptance (``Request.replay_acc_len`` by output
+      position, 1 past its end; ``EngineConfig.acceptance_replay``), R = M; R = 1 (unused)
+      otherwise.
   """
 
   tokens: jax.Array
@@ -55,6 +58,7 @@ class SlotState:
   top_k: jax.Array
   top_p: jax.Array
   finished: jax.Array
+  replay_acc: jax.Array
 
   @property
   def num_slots(self) -> int:
@@ -65,19 +69,23 @@ class SlotState:
     return self.tokens.shape[1]
 
 
-def init_slots(num_slots: int, max_model_len: int, num_stop_ids: int) -> SlotState:
-  """An all-empty ``SlotState`` (every slot finished, no tokens)."""
+def init_slots(num_slots: int, max_model_len: int, num_stop_ids: int,
+               replay: bool = False) -> SlotState:
+  """An all-empty ``SlotState`` (every slot finished, no tokens); ``replay``: room for
+  each slot's replayed acceptance (``SlotState.replay_acc``)."""
   s = num_slots
   return SlotState(
       tokens=jnp.zeros((s, max_model_len), jnp.int32), num_tokens=jnp.zeros(s, jnp.int32),
       num_prompt=jnp.zeros(s, jnp.int32), max_tokens=jnp.zeros(s, jnp.int32),
       stop_ids=jnp.full((s, num_stop_ids), -1, jnp.int32), keys=jnp.zeros((s, 2), jnp.uint32),
       temperature=jnp.zeros(s, jnp.float32), top_k=jnp.zeros(s, jnp.int32),
-      top_p=jnp.ones(s, jnp.float32), finished=jnp.ones(s, bool))
+      top_p=jnp.ones(s, jnp.float32), finished=jnp.ones(s, bool),
+      replay_acc=jnp.ones((s, max_model_len if replay else 1), jnp.int32))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _write(state: SlotState, slots, tokens, ints, floats, stop_ids, keys) -> SlotState:
+def _write(state: SlotState, slots, tokens, ints, floats, stop_ids, keys,
+           replay_acc) -> SlotState:
   """Scatters rows into ``slots`` (-1 rows dropped)."""
   idx = jnp.where(slots >= 0, slots, state.num_slots)  # out of range: dropped
   put = lambda a, v: a.at[idx].set(v.astype(a.dtype), mode="drop")
@@ -87,7 +95,8 @@ def _write(state: SlotState, slots, tokens, ints, floats, stop_ids, keys) -> Slo
       stop_ids=put(state.stop_ids, stop_ids), keys=put(state.keys, keys),
       temperature=put(state.temperature, floats[:, 0]), top_k=put(state.top_k, ints[:, 3]),
       top_p=put(state.top_p, floats[:, 1]),
-      finished=put(state.finished, jnp.zeros(slots.shape, bool)))
+      finished=put(state.finished, jnp.zeros(slots.shape, bool)),
+      replay_acc=put(state.replay_acc, replay_acc))
 
 
 def padded_rows(n: int) -> int:
@@ -122,6 +131,7 @@ def write_slots(state: SlotState, slots: list[int], rows: list, eos_ids: frozens
   floats = np.zeros((n, 2), np.float32)
   stop = np.full((n, e), -1, np.int32)
   keys = np.zeros((n, 2), np.uint32)
+  replay = np.ones((n, state.replay_acc.shape[1]), np.int32)
   for i, (slot, st) in enumerate(zip(slots, rows)):
     sp = st.request.sampling
     ids = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)))
@@ -137,7 +147,11 @@ def write_slots(state: SlotState, slots: list[int], rows: list, eos_ids: frozens
     floats[i] = (sp.temperature, sp.top_p)
     stop[i, : len(ids)] = ids
     keys[i] = st.key
-  return _write(state, idx, tokens, ints, floats, stop, keys)
+    acc = st.request.replay_acc_len
+    if acc is not None and replay.shape[1] > 1:
+      acc = np.asarray(acc[: replay.shape[1]], np.int32)
+      replay[i, : len(acc)] = acc
+  return _write(state, idx, tokens, ints, floats, stop, keys, replay)
 
 
 def slot_rows(state: SlotState, slots: jax.Array) -> dict:

@@ -160,6 +160,8 @@ class StepPlan:
       Bernoulli(a_j) successes (positions past the tuple use its last value), capped at
       the row's drafts, instead of comparing draft and target (vLLM's "synthetic"
       rejection sampling; for timing the engine loop with random weights; NOT lossless).
+    replay: accept ``min(replay_acc[slot, i] - 1, drafts)`` at each row's output
+      position i (``EngineConfig.acceptance_replay``; NOT lossless); chains only.
     num_layers: static layer count (KV moves of tree paths).
   """
 
@@ -175,6 +177,7 @@ class StepPlan:
   proposer_hidden_layers: tuple[int, ...] = ()
   has_draft_probs: bool = False
   synthetic_acceptance: tuple[float, ...] | None = None
+  replay: bool = False
   num_layers: int = 1
 
   def __post_init__(self):
@@ -188,6 +191,8 @@ class StepPlan:
                        f"hidden_layers={self.hidden_layers})")
     if self.num_iterations < 1:
       raise ValueError(f"num_iterations={self.num_iterations} must be >= 1")
+    if (self.replay or self.synthetic_acceptance is not None) and self.tree:
+      raise ValueError("replayed and synthetic acceptance take chain drafts, not trees")
     if self.num_iterations > 1 and (self.host_drafts and self.length
                                     or self.hidden_layers):
       raise ValueError("several iterations per call need a fused proposer or plain decoding "
@@ -254,8 +259,13 @@ def _verify(plan: StepPlan, logits, drafts, parents, num_draft, probs, rows, pos
     toks, acc = rejection_sample(logits, drafts, num_draft, probs, temperature, top_k, top_p,
                                  keys, positions, all_greedy=greedy)
   length = plan.length
-  if plan.synthetic_acceptance is not None and length:
+  if plan.replay and length:  # row b at output position i accepts replay_acc[b, i] - 1
+    out_pos = jnp.clip(positions - rows["num_prompt"], 0, rows["replay_acc"].shape[1] - 1)
+    recorded = jnp.take_along_axis(rows["replay_acc"], out_pos[:, None], axis=1)[:, 0]
+    acc = jnp.clip(recorded - 1, 0, num_draft).astype(jnp.int32)
+  elif plan.synthetic_acceptance is not None and length:
     acc = _synthetic_accepted(keys, positions, num_draft, plan.synthetic_acceptance, length)
+  if (plan.replay or plan.synthetic_acceptance is not None) and length:
     arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     last_tok = jnp.take_along_axis(arg, acc[:, None], axis=1)[:, 0]
     j = jnp.arange(length + 1)[None]
