@@ -55,6 +55,7 @@ from harness import plots
 from harness.device_time import device_busy_seconds, top_host_events, top_ops
 from harness.evaluation import MATMUL_PRECISIONS
 from harness.synthetic import ConstantDrafter
+from harness.traces import parse_replay, read_jsonl, replay_requests
 from models.layers import (
   SMALL_F32_MATMULS,
   set_small_f32_matmul,
@@ -109,7 +110,8 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                     layer_execution: str = "unrolled", meshes=("none",), num_layers=None,
                     drafter: str = "constant", draft: str | None = None,
                     steps_per_dispatch: int = EngineConfig.steps_per_dispatch, top: int = 0,
-                    ops_dir: str | None = None, log=print) -> pd.DataFrame:
+                    ops_dir: str | None = None, acceptance: str = "synthetic",
+                    replay_num_requests: int | None = None, log=print) -> pd.DataFrame:
   """One row per (num_layers, mesh, batch, context, L); see the module docstring.
   ``target`` is a ``SHAPES`` name (random weights) or a ``models.zoo`` model (real
   weights); ``meshes`` holds "none" and/or ``specjax.sharding.parse_mesh`` strings;
@@ -123,10 +125,16 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
   ``top`` Python functions of one more run by own time per step (cProfile) and, with
   ``ops_dir``, writes every op unfolded to ``ops_dir/ops_b{batch}_ctx{context}_L{L}.csv``
   and the host tracks' events (``top_host_events``) to ``host_b{batch}_ctx{context}_L{L}.csv``.
+  ``acceptance`` is "synthetic" (every draft accepted) or "replay:FILE[:METHOD]": the
+  trace file's requests (``harness.traces.replay_requests``, the first
+  ``replay_num_requests``; their prompt and output lengths replace ``contexts`` and
+  ``new_tokens``) with the recorded acceptance replayed (``EngineConfig.acceptance_replay``).
 
   Raises:
-    ValueError: an unknown ``drafter``, or "draft_model" without ``draft``.
+    ValueError: an unknown ``drafter``, or "draft_model" without ``draft``, a bad
+      ``acceptance``.
   """
+  replay = None if acceptance == "synthetic" else parse_replay(acceptance)
   if drafter not in DRAFTERS:
     raise ValueError(f"drafter={drafter!r} must be one of {DRAFTERS}")
   if drafter == "draft_model" and not draft:
@@ -154,7 +162,7 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                  attention_implementation=attention_implementation, profile=profile,
                  layer_execution=layer_execution, drafter=drafter, draft_split=draft_split,
                  steps_per_dispatch=steps_per_dispatch, top=top, ops_dir=ops_dir,
-                 log=log)
+                 log=log, replay=replay, replay_num_requests=replay_num_requests)
       df.insert(3, "drafter", drafter if draft_split is None else f"draft_model:{draft}")
       df.insert(2, "num_layers", cfg.num_layers)
       frames.append(df)
@@ -212,30 +220,50 @@ def _method(drafter: str, length: int, cfg=None):
   return ConstantDrafter(k=length, device=drafter == "constant")
 
 
+def _replay_workload(cfg, replay, num_requests):
+  """``(requests, mean prompt length, label)`` of ``--acceptance=replay:FILE[:METHOD]``."""
+  path, method = replay
+  reqs = replay_requests(read_jsonl(path), method, vocab_size=cfg.vocab_size,
+                         num_requests=num_requests)
+  label = f"replay:{os.path.basename(path)}" + (f":{method}" if method else "")
+  return reqs, int(round(np.mean([len(r.prompt_token_ids) for r in reqs]))), label
+
+
 def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths, new_tokens,
           attention_implementation, profile, layer_execution, drafter, draft_split,
-          steps_per_dispatch, top, ops_dir, log) -> pd.DataFrame:
-  """The (batch, context, L) rows of one placed model."""
+          steps_per_dispatch, top, ops_dir, log, replay=None,
+          replay_num_requests=None) -> pd.DataFrame:
+  """The (batch, context, L) rows of one placed model (``replay``: ``(FILE, METHOD)``,
+  one workload of the trace's requests instead of the contexts)."""
   placement = sharding.describe(mesh, cfg=cfg)
   rng = np.random.default_rng(0)
   rows = []
   for batch in batch_sizes:
-    for context in contexts:
-      prompts = [tuple(int(t) for t in rng.integers(0, cfg.vocab_size, context))
-                 for _ in range(batch)]
+    for context in (contexts if replay is None else [None]):
+      if replay is None:
+        prompts = [tuple(int(t) for t in rng.integers(0, cfg.vocab_size, context))
+                   for _ in range(batch)]
+        acceptance = "synthetic:1.0"
+      else:
+        base, context, acceptance = _replay_workload(cfg, replay, replay_num_requests)
       ar_ms = None
       for length in lengths:
+        if replay is None:
+          sp = SamplingParams(max_tokens=new_tokens * (length + 1), ignore_eos=True)
+          reqs = [Request(i, p, sp) for i, p in enumerate(prompts)]
+          longest = context + new_tokens * (max(lengths) + 1)
+        else:  # AR runs the same requests without the trace
+          reqs = base if length else [dataclasses.replace(r, replay_acc_len=None) for r in base]
+          longest = max(len(r.prompt_token_ids) + r.sampling.max_tokens for r in base)
         ecfg = EngineConfig(
-            max_num_seqs=batch,
-            max_model_len=context + new_tokens * (max(lengths) + 1) + max(lengths) + 16,
+            max_num_seqs=batch, max_model_len=longest + max(lengths) + 16,
             attention_implementation=attention_implementation,
             max_num_batched_tokens=max(512, min(8192, batch * context)),
-            synthetic_acceptance=(1.0,) if length else None, mesh=mesh,
+            synthetic_acceptance=(1.0,) if length and replay is None else None,
+            acceptance_replay=bool(length) and replay is not None, mesh=mesh,
             steps_per_dispatch=steps_per_dispatch)
         method = _method(drafter, length, cfg)
         engine = Engine(split, method, ecfg, draft=draft_split if length else None)
-        sp = SamplingParams(max_tokens=new_tokens * (length + 1), ignore_eos=True)
-        reqs = [Request(i, p, sp) for i, p in enumerate(prompts)]
         engine.generate(reqs)  # warm-up: compiles
         _, met = engine.generate(reqs)
         steady = met.steady_steps()
@@ -265,13 +293,16 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
           device_ms = 1e3 * (busy - pmet.prefill_s) / max(1, len(pmet.steps))
         if top:
           _log_python_profile(engine, reqs, length, top, log)
-        mean_ctx = context + new_tokens * (length + 1) / 2
+        mean_ctx = context + (new_tokens * (length + 1) if replay is None else
+                              np.mean([r.sampling.max_tokens for r in reqs])) / 2
         roof_ms = 1e3 * (_param_bytes(cfg, batch) + _kv_bytes(cfg, batch, int(mean_ctx))) / bw
         if length == 0:
           ar_ms = step_ms
-        tau = float(np.mean([s.num_emitted / s.num_rows for s in steady]))
+        tau = (sum(s.num_emitted for s in steady) / sum(s.num_rows for s in steady)
+               if steady else float("nan"))
         rows.append(dict(
             target=target, dtype=dtype, batch=batch, context=context, L=length,
+            acceptance=acceptance, num_requests=len(reqs),
             steps=len(steady), step_ms=step_ms, device_ms=device_ms,
             step_over_device=step_ms / device_ms, roofline_ms=roof_ms,
             roofline_fraction=roof_ms / step_ms, c=step_ms / ar_ms if ar_ms else float("nan"),
@@ -345,6 +376,12 @@ _SMALL_F32_ROWS = flags.DEFINE_integer("small_f32_max_rows", small_f32_matmul()[
                                        "Most rows of such a projection.")
 _NUM_LAYERS = flags.DEFINE_list("num_layers", None, "Layer counts to build the target with "
                                 "(adds columns scaled to the shape's full layer count).")
+_ACCEPTANCE = flags.DEFINE_string(
+    "acceptance", "synthetic", "synthetic (every draft accepted) or replay:FILE[:METHOD] "
+    "(a harness.traces / seed trace file's requests and recorded acceptance; --contexts "
+    "and --new_tokens are then unused).")
+_REPLAY_N = flags.DEFINE_integer("replay_requests", None, "With replay: the first this many "
+                                 "requests of the file (default: all).", lower_bound=1)
 
 
 def main(argv):
@@ -372,7 +409,8 @@ def _run(impl) -> pd.DataFrame:
       profile=_PROFILE.value, layer_execution=_LAYERS.value, meshes=_MESHES.value,
       num_layers=[int(n) for n in _NUM_LAYERS.value] if _NUM_LAYERS.value else None,
       drafter=_DRAFTER.value, draft=_DRAFT.value, steps_per_dispatch=_STEPS.value,
-      top=_TOP.value, ops_dir=_OUT.value)
+      top=_TOP.value, ops_dir=_OUT.value, acceptance=_ACCEPTANCE.value,
+      replay_num_requests=_REPLAY_N.value)
 
 
 if __name__ == "__main__":

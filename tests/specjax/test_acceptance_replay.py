@@ -118,3 +118,22 @@ def test_bad_replay_inputs_are_one_line_errors(target):
     replay_requests([two], None, vocab_size=10)
   with pytest.raises(ValueError, match="no trace for method 'c'"):
     replay_requests([two], "c", vocab_size=10)
+
+
+@pytest.mark.slow
+def test_engine_loop_replays_a_trace_file(tmp_path):
+  from benchmarks.engine_loop import run_engine_loop  # noqa: PLC0415
+  from harness.traces import write_jsonl  # noqa: PLC0415
+
+  records = _records(5, seed=9)
+  path = str(tmp_path / "trace.jsonl")
+  write_jsonl(path, records)
+  df = run_engine_loop(target="tiny", dtype="float32", batch_sizes=[2], contexts=[999],
+                       lengths=[0, K], new_tokens=999, attention_implementation="reference",
+                       profile=False, acceptance=f"replay:{path}", log=lambda *_: None)
+  sim = simulate(records, _cost(), Policy(kind="fixed", methods=("ngram",), k=K), 2,
+                 include_prefill=False)
+  sd = df[df.L == K].iloc[0]
+  assert sd.tau == pytest.approx(sim["tau"], abs=1e-12)
+  assert sd.acceptance == "replay:trace.jsonl" and sd.num_requests == 5
+  assert df[df.L == 0].iloc[0].tau == 1.0
