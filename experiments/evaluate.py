@@ -158,6 +158,12 @@ _SMALL_F32_ROWS = flags.DEFINE_integer("small_f32_max_rows", small_f32_matmul()[
                                        "Most rows of such a projection.", lower_bound=0)
 
 
+_ACCEPTANCE = flags.DEFINE_string(
+    "acceptance", "real", "real (drafts verified) or replay:FILE[:METHOD]: a trace file's "
+    "requests (their prompt and output lengths; --dataset and --max_new_tokens unused) "
+    "with each SD method's acceptance replayed from it (timing only, not lossless).")
+
+
 def config_from_flags() -> EvalConfig:
   """The ``EvalConfig`` the parsed flags describe."""
   draft = _DRAFT.value
@@ -205,6 +211,7 @@ def config_from_flags() -> EvalConfig:
       plots=_PLOTS.value,
       peer=None if _PEER.value == "none" else _PEER.value,
       device_profile=_DEVICE_PROFILE.value,
+      acceptance=_ACCEPTANCE.value,
   )
 
 

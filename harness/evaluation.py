@@ -54,6 +54,7 @@ from harness.divergence import divergence, first_divergence
 from harness.kv_memory import method_kv_bytes_per_token
 from harness.reconcile import speedups
 from harness.stats import aggregate, format_mean_std
+from harness.traces import parse_replay, read_jsonl, replay_requests
 from methods.registry import METHODS, make_method
 from models.layers import small_f32_matmul
 from models.zoo import is_random_name
@@ -69,6 +70,7 @@ from specjax.request import Request
 from specjax.steps import split_model
 from specjax.workloads import (
     RANDOM_DATASET,
+    Prompt,
     load_prompts,
     poisson_arrivals,
     random_prompts,
@@ -191,6 +193,13 @@ class EvalConfig:
       (against AR's), so c splits into speculation (device) and host overhead; with
       ``output_dir``, ``ops_{method}_b{batch}.csv`` lists every device op per step. A
       GPU/TPU backend only (a CPU trace has no device track).
+    acceptance: "real" (drafts are verified), or "replay:FILE[:METHOD]": the first
+      ``num_prompts`` requests of a trace file (``harness.traces.replay_requests``: each
+      record's prompt and output lengths; ``dataset``, ``input_len``, ``categories`` and
+      ``max_new_tokens`` are then unused) with every SD method's acceptance replayed
+      from the records (``EngineConfig.acceptance_replay``; AR runs the same requests
+      plainly). For timing real acceptance on any target, random weights included;
+      outputs are not lossless, so ``lossless`` is left empty.
   """
 
   target: str = "smollm2-135m"
@@ -232,8 +241,11 @@ class EvalConfig:
   plots: bool = True
   peer: str | None = None
   device_profile: bool = False
+  acceptance: str = "real"
 
   def __post_init__(self):
+    if self.acceptance != "real":
+      parse_replay(self.acceptance)  # raises on another form
     methods = tuple(dict.fromkeys(["ar", *self.methods]))
     object.__setattr__(self, "methods", methods)
     unused = sorted(set(self.method_options) - set(methods))
@@ -283,7 +295,8 @@ class EvalConfig:
     elif self.input_len is not None:
       raise ValueError(f"input_len={self.input_len} is only for dataset={RANDOM_DATASET!r}; "
                        f"dataset={self.dataset!r} has its own prompts (leave it None)")
-    if is_random_name(self.target) and self.dataset != RANDOM_DATASET:
+    if (is_random_name(self.target) and self.dataset != RANDOM_DATASET
+        and self.acceptance == "real"):
       raise ValueError(f"target={self.target!r} has random weights and no tokenizer: "
                        f"dataset={self.dataset!r} must be {RANDOM_DATASET!r} (token-id "
                        "prompts, with input_len)")
@@ -400,18 +413,21 @@ def _warmup_subset(requests: Sequence[Request], min_count: int, min_prefill_buck
   return sorted(chosen, key=requests.index)
 
 
-def _resolve_max_model_len(cfg: EvalConfig, prompts, prompt_ids, context: int) -> int:
+def _resolve_max_model_len(cfg: EvalConfig, prompts, prompt_ids, context: int,
+                           new_tokens: int | None = None) -> int:
   """``cfg.max_model_len`` checked against the prompts, or the fitted default.
 
   ``context`` is the target's ``max_position_embeddings``: no sequence may exceed it.
+  ``new_tokens``: the most new tokens of a request (default ``cfg.max_new_tokens``).
   """
   longest = max(len(ids) for ids in prompt_ids)
+  new_tokens = cfg.max_new_tokens if new_tokens is None else new_tokens
   if cfg.max_model_len is None:
-    need = longest + cfg.max_new_tokens
+    need = longest + new_tokens
     if need > context:
       p = prompts[max(range(len(prompts)), key=lambda i: len(prompt_ids[i]))]
       raise ValueError(
-          f"prompt {p.id!r} has {longest} tokens: with max_new_tokens={cfg.max_new_tokens} it "
+          f"prompt {p.id!r} has {longest} tokens: with max_new_tokens={new_tokens} it "
           f"needs {need} positions, more than the target's context ({context}); choose "
           "other prompts (seed, categories) or fewer new tokens"
       )
@@ -424,7 +440,7 @@ def _resolve_max_model_len(cfg: EvalConfig, prompts, prompt_ids, context: int) -
       raise ValueError(
           f"prompt {p.id!r} has {len(ids)} tokens; max_model_len={cfg.max_model_len} must be "
           f"larger (leave it unset to fit the longest prompt, {longest} tokens, plus "
-          f"max_new_tokens={cfg.max_new_tokens})"
+          f"max_new_tokens={new_tokens})"
       )
   return cfg.max_model_len
 
@@ -460,11 +476,13 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   if needs_draft and cfg.draft is None:
     raise ValueError(f"methods {needs_draft} need a draft model, but draft=None")
   resolve_implementation(cfg.attention_implementation)
-  synthetic = cfg.dataset == RANDOM_DATASET
+  replay = None if cfg.acceptance == "real" else parse_replay(cfg.acceptance)
+  records = None if replay is None else read_jsonl(replay[0])
+  synthetic = cfg.dataset == RANDOM_DATASET and replay is None
   # Random prompts need the target's vocabulary size; text prompts are read (and checked)
   # before the model loads.
-  prompts = None if synthetic else load_prompts(cfg.dataset, cfg.num_prompts, cfg.categories,
-                                                cfg.seed)
+  prompts = (None if synthetic or replay else
+             load_prompts(cfg.dataset, cfg.num_prompts, cfg.categories, cfg.seed))
 
   if cfg.draft is not None and not needs_draft:
     logging.warning("draft=%r is not loaded: none of %s uses a draft model", cfg.draft,
@@ -474,21 +492,33 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   # A target without a tokenizer (random weights) has no text, no chat template and no
   # EOS: prompts are token ids, outputs are compared as ids and run to max_new_tokens.
   tokenizer = target.tokenizer
-  if tokenizer is None and not synthetic:
+  if tokenizer is None and not synthetic and replay is None:
     raise ValueError(f"target={cfg.target!r} has no tokenizer: dataset={cfg.dataset!r} must "
                      f"be {RANDOM_DATASET!r} (token-id prompts)")
   if draft is not None and draft.config.vocab_size != target.config.vocab_size:
     raise ValueError(f"draft={cfg.draft!r} vocab_size={draft.config.vocab_size} must equal "
                      f"target={cfg.target!r} vocab_size={target.config.vocab_size}")
+  replayed = None
   if synthetic:
     prompts = random_prompts(cfg.num_prompts, cfg.input_len, target.config.vocab_size, cfg.seed)
+  elif replay is not None:
+    replayed = replay_requests(records, replay[1], vocab_size=target.config.vocab_size,
+                               seed=cfg.seed, num_requests=cfg.num_prompts)
+    prompts = [Prompt(str(r.request_id), "replay", "replay", "replay", "",
+                      token_ids=r.prompt_token_ids) for r in replayed]
   prompt_ids = tokenize_prompts(prompts, tokenizer, chat_template=cfg.chat_template)
+  new_tokens = (cfg.max_new_tokens if replayed is None
+                else max(r.sampling.max_tokens for r in replayed))
   max_model_len = _resolve_max_model_len(cfg, prompts, prompt_ids,
-                                         target.config.max_position_embeddings)
+                                         target.config.max_position_embeddings, new_tokens)
   ignore_eos = tokenizer is None if cfg.ignore_eos is None else cfg.ignore_eos
   eos_token_ids = () if tokenizer is None else tokenizer.eos_token_ids
   decode = None if tokenizer is None else tokenizer.decode
   requests = _make_requests(cfg, prompt_ids, prompts, ignore_eos)
+  if replayed is not None:  # the records' output lengths and acceptance, EOS ignored
+    requests = [dataclasses.replace(r, sampling=dataclasses.replace(
+        r.sampling, max_tokens=t.sampling.max_tokens, ignore_eos=True),
+        replay_acc_len=t.replay_acc_len) for r, t in zip(requests, replayed)]
   unroll = cfg.layer_execution == "unrolled"
   target_split = split_model(target.model, unroll_layers=unroll)
   draft_split = split_model(draft.model, unroll_layers=unroll) if draft is not None else None
@@ -517,17 +547,19 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
       "layer_execution": cfg.layer_execution,
       "matmul_precision": cfg.matmul_precision or "default",
       "input_len": cfg.input_len,
-      "ignore_eos": ignore_eos,
+      "ignore_eos": ignore_eos if replayed is None else True,
+      "acceptance": cfg.acceptance,
   }
   greedy = cfg.temperature == 0
-  budget = len(requests) * cfg.max_new_tokens
-  warm_tokens = min(cfg.max_new_tokens, cfg.warmup_tokens or cfg.max_new_tokens)
+  budget = sum(r.sampling.max_tokens for r in requests)
+  warm_tokens = min(new_tokens, cfg.warmup_tokens or new_tokens)
   warm_requests = [
-      dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_tokens=warm_tokens))
+      dataclasses.replace(r, sampling=dataclasses.replace(
+          r.sampling, max_tokens=min(warm_tokens, r.sampling.max_tokens)))
       for r in _warmup_subset(requests, max(cfg.batch_sizes), EngineConfig.min_prefill_bucket,
                               max_model_len)
   ]
-  warm_budget = len(warm_requests) * warm_tokens
+  warm_budget = sum(r.sampling.max_tokens for r in warm_requests)
   passes_tokens = len(cfg.batch_sizes) * len(methods) * (
       (cfg.repeats + int(cfg.device_profile)) * budget + int(cfg.warmup) * warm_budget)
   rows: list[dict] = []
@@ -548,7 +580,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
             draft_sharding=cfg.draft_sharding, steps_per_dispatch=cfg.steps_per_dispatch,
         )
         engines = {
-            name: Engine(target_split, method, engine_cfg,
+            name: Engine(target_split, method,
+                         engine_cfg.replace(acceptance_replay=replay is not None and name != "ar"),
                          draft=draft_split if name in needs_draft else None,
                          eos_token_ids=eos_token_ids, decode=decode)
             for name, method in methods.items()
@@ -561,8 +594,8 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
             # buckets), compiled in threads; the warm-up pass then compiles what is left
             # (slot admission, a method's own host-called functions).
             if cfg.precompile:
-              engine.precompile(requests, num_threads=cfg.precompile_threads)
-            engine.generate(warm_requests, progress=bar)
+              engine.precompile(_fit(engine, requests), num_threads=cfg.precompile_threads)
+            engine.generate(_fit(engine, warm_requests), progress=bar)
             bar.finish()
             # Cross-request caches (suffix decoding's global tree, adaptive's estimates)
             # must not carry the warm-up's responses into the measured pass.
@@ -573,13 +606,13 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
         results = {}
         for name, engine in engines.items():
           bar.start(f"{name} b={batch} r={rep}", budget)
-          results[name] = engine.generate(rep_requests, progress=bar)
+          results[name] = engine.generate(_fit(engine, rep_requests), progress=bar)
           bar.finish()
         measure_s += time.perf_counter() - t0
         ar_outs, ar_metrics = results["ar"]
         for name, (outs, met) in results.items():
-          row, diverged = _row(name, methods[name], outs, met, ar_outs, ar_metrics, greedy,
-                               target_split, cfg)
+          row, diverged = _row(name, methods[name], outs, met, ar_outs, ar_metrics,
+                               greedy and replay is None, target_split, cfg)
           rows.append({**static, "draft": cfg.draft if name in needs_draft else None,
                        "batch_size": batch, "repeat": rep, **row,
                        "kv_bytes_per_token": method_kv_bytes_per_token(
@@ -636,8 +669,11 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
     for _, r in notes.iterrows():
       print(f"notes {r['method']} b={r['batch_size']} r={r['repeat']}: {r['notes']}")
     rate = f", {cfg.request_rate:g} requests/s (Poisson)" if cfg.request_rate else ", offline"
-    print(f"\n{cfg.target} on {static['device']} ({static['backend']}), {cfg.dataset} "
-          f"x{cfg.num_prompts}, {cfg.max_new_tokens} new tokens, T={cfg.temperature}{rate}, "
+    workload = (f"{cfg.dataset} x{cfg.num_prompts}, {cfg.max_new_tokens} new tokens"
+                if replay is None else f"{cfg.acceptance} x{len(requests)} (the records' "
+                "lengths; acceptance replayed, not verified)")
+    print(f"\n{cfg.target} on {static['device']} ({static['backend']}), {workload}, "
+          f"T={cfg.temperature}{rate}, "
           f"{cfg.repeats} repeats (mean ± std); time: load+tokenize {t_loaded - t_start:.1f}s, "
           f"warm-up {warmup_s:.1f}s, measured {measure_s:.1f}s, total {total_s:.1f}s; "
           f"compiles in measured passes: {compiles}")
@@ -662,7 +698,7 @@ def _device_profile(engines: Mapping[str, Engine], requests, rows: list[dict], b
     engine.runtime.method_cache.clear()  # as after the warm-up: no carried responses
     with tempfile.TemporaryDirectory() as trace_dir:
       with jax.profiler.trace(trace_dir):
-        _, met = engine.generate(requests, progress=progress)
+        _, met = engine.generate(_fit(engine, requests), progress=progress)
       steps = max(1, len(met.steps))
       device_ms[name] = 1e3 * (device_busy_seconds(trace_dir) - met.prefill_s) / steps
       if output_dir is not None:
@@ -674,6 +710,15 @@ def _device_profile(engines: Mapping[str, Engine], requests, rows: list[dict], b
     if row["batch_size"] == batch and row["method"] in device_ms:
       row["device_ms"] = device_ms[row["method"]]
       row["c_device"] = device_ms[row["method"]] / device_ms["ar"]
+
+
+def _fit(engine: Engine, requests: Sequence[Request]) -> Sequence[Request]:
+  """``requests`` without their replayed acceptance for an engine that does not replay
+  it (AR beside replayed SD methods)."""
+  if engine.config.acceptance_replay:
+    return requests
+  return [dataclasses.replace(r, replay_acc_len=None) if r.replay_acc_len is not None else r
+          for r in requests]
 
 
 def _repeat_requests(requests: Sequence[Request], seed: int, rep: int) -> list[Request]:

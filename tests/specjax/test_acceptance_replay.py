@@ -137,3 +137,30 @@ def test_engine_loop_replays_a_trace_file(tmp_path):
   assert sd.tau == pytest.approx(sim["tau"], abs=1e-12)
   assert sd.acceptance == "replay:trace.jsonl" and sd.num_requests == 5
   assert df[df.L == 0].iloc[0].tau == 1.0
+
+
+def test_evaluate_replays_a_trace_file(tmp_path):
+  """``EvalConfig.acceptance="replay:..."``: a random-weight target, a fused random
+  EAGLE-3 head drafting k every step; tau equals the simulator's, lossless is left empty."""
+  from harness.evaluation import EvalConfig, run_evaluation  # noqa: PLC0415
+  from harness.traces import write_jsonl  # noqa: PLC0415
+  from models.heads import default_eagle3_layers  # noqa: PLC0415
+
+  records = _records(4, seed=4)
+  path = str(tmp_path / "trace.jsonl")
+  write_jsonl(path, records)
+  layers = default_eagle3_layers(tiny_config("llama").num_layers)
+  cfg = EvalConfig(target="random:tiny", methods=("ar", "eagle3"),
+                   method_options={"eagle3": {"feature_layers": layers}},
+                   acceptance=f"replay:{path}:ngram", num_prompts=4, batch_sizes=(2,),
+                   num_speculative_tokens=K, repeats=1, precompile=False, plots=False,
+                   compilation_cache=False, matmul_precision=None)
+  df = run_evaluation(cfg, progress=False, verbose=False)
+  sd = df[df.method == "eagle3"].iloc[0]
+  sim = simulate(records, _cost(), Policy(kind="fixed", methods=("ngram",), k=K), 2,
+                 include_prefill=False)
+  assert sd.tau == pytest.approx(sim["tau"], abs=1e-12)
+  assert sd.acceptance == f"replay:{path}:ngram" and sd.lossless is None
+  assert df[df.method == "ar"].iloc[0].tau == 1.0
+  with pytest.raises(ValueError, match="replay:FILE"):
+    EvalConfig(acceptance="replay")
