@@ -1,7 +1,7 @@
 """Fits a step cost model (``harness.cost_model.fit``) from engine-loop and evaluation CSVs.
 
   python -m experiments.fit_cost_model \
-      --engine_loop_csv=docs/gpu/session6/runtime_v2/engine_loop_8b_b1/engine_loop.csv \
+      --engine_loop_csv=docs/gpu/runtime_cost_model/engine_loop_8b_b1/engine_loop.csv \
       --eval_csv=results/x/results.csv --output=cost_model.json
 """
 

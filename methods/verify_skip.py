@@ -71,7 +71,7 @@ class LinearVerifyCost:
   """``T(B, L) = fixed_s + per_row_s * B + per_token_s * B * (L + 1)`` seconds.
 
   The defaults fit the whole engine step of the Llama-3.1-8B shape (bf16) on the H200
-  at B = 16 and 64, L = 1 and 8 (``docs/gpu/session6/runtime_v2``, step_ms 8.93, 11.42,
+  at B = 16 and 64, L = 1 and 8 (``docs/gpu/runtime_cost_model``, step_ms 8.93, 11.42,
   14.12, 22.96): a rough prior for other setups, which should pass measured costs
   (``TableVerifyCost``).
   """

