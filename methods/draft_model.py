@@ -45,8 +45,8 @@ from specjax.sampling import (
 )
 from specjax.steps import forward_step
 
-__all__ = ["DraftDeviceState", "DraftKV", "DraftModel", "DraftParams", "draft_tokens_step",
-           "draft_until_uncertain_step", "entropy_nats"]
+__all__ = ["DraftDeviceState", "DraftKV", "DraftModel", "DraftParams", "continue_chain",
+           "draft_pick", "draft_tokens_step", "draft_until_uncertain_step", "entropy_nats"]
 
 
 @functools.partial(
@@ -73,28 +73,58 @@ def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetad
     at and past a row's budget are garbage (tokens -1 past ``num_steps``, probs 0).
   """
   model = nnx.merge(graphdef, params)
+  pick = draft_pick(temperature, top_k, top_p, keys, all_greedy)
 
-  def pick(logits, pos):  # logits [B, V]
-    if all_greedy:
-      tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-      return tok, jnp.zeros((logits.shape[0], 0), jnp.float32)
-    probs = processed_probs(logits[:, None], temperature, top_k, top_p)[:, 0]
-    tok = sample_from_probs(probs, position_keys(keys, pos, STREAM_DRAFT))
-    return tok, probs
+  def forward(caches, tok, step_meta):  # tok i32[B, 1] -> (caches, logits f32[B, V])
+    caches, o = model(caches, tok, step_meta, logits_indices=jnp.zeros_like(tok),
+                      implementation=implementation)
+    return caches, o.logits[:, 0]
 
   idx = jnp.maximum(meta.q_lens - 1, 0)[:, None]
   kv_caches, out = model(kv_caches, pending, meta, logits_indices=idx,
                          implementation=implementation)
   tok, probs = pick(out.logits[:, 0], positions)
+  return continue_chain(forward, pick, kv_caches, tok, probs, meta, budgets, positions, k=k,
+                        num_steps=num_steps, all_greedy=all_greedy)
 
+
+def draft_pick(temperature, top_k, top_p, keys, all_greedy: bool):
+  """``pick(logits f32[B, V], positions i32[B]) -> (tokens i32[B], probs)`` of a chain
+  drafter: argmax (probs ``f32[B, 0]``) when every row is greedy, else a sample of the
+  row's processed distribution with its draft-stream key at that position."""
+  def pick(logits, pos):
+    if all_greedy:
+      tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      return tok, jnp.zeros((logits.shape[0], 0), jnp.float32)
+    probs = processed_probs(logits[:, None], temperature, top_k, top_p)[:, 0]
+    return sample_from_probs(probs, position_keys(keys, pos, STREAM_DRAFT)), probs
+
+  return pick
+
+
+def continue_chain(forward, pick, kv_caches, tok, probs, meta: AttentionMetadata, budgets,
+                   positions, *, k: int, num_steps: int, all_greedy: bool):
+  """Draft forwards 2 .. ``num_steps`` of a chain drafter with its own paged KV (a draft
+  model, LayerSkip's early exit), after the first forward drafted ``tok`` (``probs``).
+
+  Forward i (1-based from 1) feeds draft d_i at position ``positions + i - 1`` to draft
+  d_{i+1}, for the rows with budget > i (the others write nothing).
+
+  Args:
+    forward: ``(caches, tok i32[B, 1], step_meta) -> (caches, logits f32[B, V])``.
+    pick: ``draft_pick``'s function. meta: the first forward's metadata (kv_lens after it).
+
+  Returns:
+    ``(kv_caches, tokens i32[B, k], probs f32[B, k, V] or None when all_greedy)``: tokens
+    -1 past ``num_steps``, probs 0 there.
+  """
   def body(carry, i):
     caches, tok = carry
     active = budgets > i  # feeds d_i at position positions + i - 1 to draft d_{i+1}
     step_meta = AttentionMetadata(meta.page_indices, jnp.where(active, meta.kv_lens + i, 0),
                                   active.astype(jnp.int32))
-    caches, o = model(caches, tok[:, None], step_meta,
-                      logits_indices=jnp.zeros_like(tok)[:, None], implementation=implementation)
-    nxt, p = pick(o.logits[:, 0], positions + i)
+    caches, logits = forward(caches, tok[:, None], step_meta)
+    nxt, p = pick(logits, positions + i)
     return (caches, nxt), (nxt, p)
 
   (kv_caches, _), (toks, ps) = jax.lax.scan(body, (kv_caches, tok), jnp.arange(1, num_steps))

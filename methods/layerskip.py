@@ -48,16 +48,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from methods.draft_model import continue_chain, draft_pick
 from models.heads import HeadConfig, load_head
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.method import Capabilities, Draft, Method
-from specjax.sampling import (
-    STREAM_DRAFT,
-    is_greedy,
-    position_keys,
-    processed_probs,
-    sample_from_probs,
-)
+from specjax.sampling import is_greedy
 
 __all__ = ["LayerSkip", "early_exit_draft_step"]
 
@@ -111,32 +106,11 @@ def early_exit_draft_step(graphdef, params, adapter_graphdef, adapter_state, kv_
                         layer_range=(0, exit_layer))
     return caches, adapter.exit_logits(model, out.hidden[0][:, 0])
 
-  def pick(logits, pos):  # logits [B, V]
-    if all_greedy:
-      tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-      return tok, jnp.zeros((batch, 0), jnp.float32)
-    probs = processed_probs(logits[:, None], temperature, top_k, top_p)[:, 0]
-    return sample_from_probs(probs, position_keys(keys, pos, STREAM_DRAFT)), probs
-
+  pick = draft_pick(temperature, top_k, top_p, keys, all_greedy)
   kv_caches, logits = forward(kv_caches, pending, meta)
   tok, probs = pick(logits, positions)
-
-  def body(carry, i):
-    caches, tok = carry
-    active = budgets > i  # feeds d_i at position positions + i - 1 to draft d_{i+1}
-    step_meta = AttentionMetadata(meta.page_indices, jnp.where(active, meta.kv_lens + i, 0),
-                                  active.astype(jnp.int32))
-    caches, logits = forward(caches, tok[:, None], step_meta)
-    nxt, p = pick(logits, positions + i)
-    return (caches, nxt), (nxt, p)
-
-  (kv_caches, _), (toks, ps) = jax.lax.scan(body, (kv_caches, tok), jnp.arange(1, num_steps))
-  tokens = jnp.concatenate([tok[:, None], toks.T], axis=1)
-  tokens = jnp.pad(tokens, ((0, 0), (0, k - num_steps)), constant_values=-1)
-  if all_greedy:
-    return kv_caches, tokens, None
-  probs = jnp.concatenate([probs[:, None], jnp.moveaxis(ps, 0, 1)], axis=1)
-  return kv_caches, tokens, jnp.pad(probs, ((0, 0), (0, k - num_steps), (0, 0)))
+  return continue_chain(forward, pick, kv_caches, tok, probs, meta, budgets, positions, k=k,
+                        num_steps=num_steps, all_greedy=all_greedy)
 
 
 @dataclasses.dataclass
