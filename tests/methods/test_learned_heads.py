@@ -477,9 +477,24 @@ def test_heads_draft_at_most_the_budget(target, monkeypatch, tree_nodes):
   monkeypatch.setattr(learned_mod, "head_tree_step", spy("head_tree_step", "depth"))
   monkeypatch.setattr(learned_mod.LearnedHeadMethod, "propose", propose)
   requests = [Request("edge", tuple(range(1, MAX_LEN - 5)), SamplingParams(max_tokens=40))]
-  kw = {"tree_nodes": tree_nodes, "tree_branching": 2} if tree_nodes else {"fused": False}
+  # The host-called path (fused trees and chains draft inside the device step).
+  kw = {"tree_nodes": tree_nodes, "tree_branching": 2} if tree_nodes else {}
+  kw["fused"] = False
   outputs, _ = Engine(target, _method("eagle", **kw), ENGINE).generate(requests)
   ar, _ = Engine(target, make_method("ar"), ENGINE).generate(requests)
   assert outputs[0].output_token_ids == ar[0].output_token_ids
   assert min(budgets) < K
   assert calls == [min(b, K) for b in budgets], (calls, budgets)
+
+
+def test_fused_tree_near_max_model_len_equals_ar(target):
+  """A fused tree keeps each row's first budget nodes near max_model_len (a prefix of a
+  parents-first tree is a tree): greedy SD still equals AR and the request ends at the
+  same length."""
+  requests = [Request("edge", tuple(range(1, MAX_LEN - 5)), SamplingParams(max_tokens=40))]
+  method = _method("eagle", tree_nodes=6, tree_branching=2)
+  assert method.capabilities().runs_on == "fused"
+  outputs, metrics = Engine(target, method, ENGINE).generate(requests)
+  ar, _ = Engine(target, make_method("ar"), ENGINE).generate(requests)
+  assert outputs[0].output_token_ids == ar[0].output_token_ids
+  assert sum(s.num_draft_tokens for s in metrics.steps) > 0

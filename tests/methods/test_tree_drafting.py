@@ -82,7 +82,7 @@ def test_greedy_tree_sd_equals_ar(target, ar_outputs, kind, workload):
              if s.num_draft_tokens)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle3", pytest.param("medusa", marks=pytest.mark.slow)])
 def test_fused_tree_equals_host_called_tree(target, kind):
   """Trees drafted inside the fused step (device mask, positions and features written
   after the path fix-ups) commit exactly what the host-called tree path does."""

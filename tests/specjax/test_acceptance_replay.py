@@ -139,6 +139,7 @@ def test_engine_loop_replays_a_trace_file(tmp_path):
   assert df[df.L == 0].iloc[0].tau == 1.0
 
 
+@pytest.mark.slow
 def test_evaluate_replays_a_trace_file(tmp_path):
   """``EvalConfig.acceptance="replay:..."``: a random-weight target, a fused random
   EAGLE-3 head drafting k every step; tau equals the simulator's, lossless is left empty."""
