@@ -230,6 +230,7 @@ def test_device_profile_sets_device_columns_and_ops(monkeypatch, tmp_path):
   class FakeEngine:
     def __init__(self, steps):
       self.runtime = types.SimpleNamespace(method_cache={"x": 1})
+      self.config = types.SimpleNamespace(acceptance_replay=False)
       self.steps = steps
 
     def generate(self, requests, progress=None):
