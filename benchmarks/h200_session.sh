@@ -277,6 +277,35 @@ for step in "$@"; do
           --batch_sizes=1 --repeats=${E3_REPEATS:-3} --noplots ${E3_ARGS:-} \
           --output_dir="$OUT/$name"
       done ;;
+    eagle3_ops)  # where the fused EAGLE-3 step's device time goes: the chain k = 3 point
+      # (V' = 16384 copy when prune_heads made it) with --device_profile and an XLA dump,
+      # then the top ops' HLO (benchmarks.hlo_fusions) in $OUT/eagle3_fusions.txt
+      head=${EAGLE3_HEAD:-smollm2-135m-eagle3}
+      [ -d "$SPECJAX_CACHE/heads/smollm2-135m-eagle3-v16384" ] \
+        && head=$SPECJAX_CACHE/heads/smollm2-135m-eagle3-v16384
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/e3dump --xla_dump_hlo_as_text" \
+        run e3ops evaluate --target=smollm2-135m --methods=ar,eagle3 \
+        --method_option=eagle3.head_path=$head --num_speculative_tokens=3 \
+        --categories=mt_bench --num_prompts=${E3_PROMPTS:-16} --batch_sizes=1 --repeats=1 \
+        --noplots --device_profile ${E3_ARGS:-} --output_dir="$OUT/e3ops"
+      for m in eagle3 ar; do
+        python3 -m benchmarks.hlo_fusions --ops_csv="$OUT/e3ops/ops_${m}_b1.csv" \
+          --dump_dir=/tmp/e3dump --top=${TOP_OPS:-10} > "$OUT/${m}_fusions.txt" 2>&1
+      done ;;
+    eagle3_variants)  # that point under each of E3_VARIANTS ("name=evaluate flags" items
+      # separated by ";"), with --device_profile: one line of c and c_device per variant
+      head=${EAGLE3_HEAD:-smollm2-135m-eagle3}
+      [ -d "$SPECJAX_CACHE/heads/smollm2-135m-eagle3-v16384" ] \
+        && head=$SPECJAX_CACHE/heads/smollm2-135m-eagle3-v16384
+      IFS=';' read -ra variants <<< "${E3_VARIANTS:-base=}"
+      for item in "${variants[@]}"; do
+        name=${item%%=*}
+        run "e3var_$name" evaluate --target=smollm2-135m --methods=ar,eagle3 \
+          --method_option=eagle3.head_path=$head --num_speculative_tokens=3 \
+          --categories=mt_bench --num_prompts=${E3_PROMPTS:-16} --batch_sizes=1 \
+          --repeats=${E3_REPEATS:-1} --noplots --device_profile ${item#*=} \
+          --output_dir="$OUT/e3var_$name"
+      done ;;
     eagle3_agreement)  # that head's offline agreement on the same prompts (what greedy SD
       # can accept: methods.training.agreement), at the evaluation's precision and JAX's default
       for p in highest default; do

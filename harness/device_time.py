@@ -11,7 +11,7 @@ import json
 import os
 import re
 
-__all__ = ["device_busy_seconds", "top_host_events", "top_ops"]
+__all__ = ["device_busy_seconds", "op_sources", "top_host_events", "top_ops"]
 
 
 def _track_events(trace_dir: str, host: bool = False) -> list[dict]:
@@ -61,6 +61,19 @@ def top_ops(trace_dir: str, reps: int, fold: bool = True) -> list[tuple[str, flo
     total[name] += e.get("dur", 0)
     calls[name] += 1
   return [(n, us / reps / 1e3, calls[n] // reps) for n, us in total.most_common()]
+
+
+def op_sources(trace_dir: str) -> dict[str, dict[str, str]]:
+  """``{op name: {"hlo_module": ..., "hlo_op": ...}}`` for the device ops of the newest
+  trace under ``trace_dir`` whose events carry those arguments (XLA GPU kernels do), so an
+  op of ``top_ops`` can be found in an ``--xla_dump_to`` dump (``benchmarks.hlo_fusions``).
+  Ops without them are left out. Raises as ``device_busy_seconds``."""
+  out = {}
+  for e in _track_events(trace_dir):
+    name, args = str(e.get("name", "")), e.get("args", {})
+    if name not in out and ("hlo_module" in args or "hlo_op" in args):
+      out[name] = {k: str(args.get(k, "")) for k in ("hlo_module", "hlo_op")}
+  return out
 
 
 def top_host_events(trace_dir: str, reps: int) -> list[tuple[str, float, int]]:

@@ -49,7 +49,7 @@ import numpy as np
 import pandas as pd
 from absl import logging
 
-from harness.device_time import device_busy_seconds, top_ops
+from harness.device_time import device_busy_seconds, op_sources, top_ops
 from harness.divergence import divergence, first_divergence
 from harness.kv_memory import method_kv_bytes_per_token
 from harness.reconcile import speedups
@@ -692,7 +692,8 @@ def _device_profile(engines: Mapping[str, Engine], requests, rows: list[dict], b
   sets ``device_ms`` (device busy ms per engine step, the pass's prefill wall time
   subtracted, as ``benchmarks.engine_loop`` does) and ``c_device`` (over AR's) on this
   batch size's rows, and writes ``ops_{method}_b{batch}.csv`` (every device op: ms and
-  calls per step) under ``output_dir``."""
+  calls per step, and the HLO module and instruction it ran, where the trace says) under
+  ``output_dir``."""
   device_ms = {}
   for name, engine in engines.items():
     engine.runtime.method_cache.clear()  # as after the warm-up: no carried responses
@@ -703,9 +704,12 @@ def _device_profile(engines: Mapping[str, Engine], requests, rows: list[dict], b
       device_ms[name] = 1e3 * (device_busy_seconds(trace_dir) - met.prefill_s) / steps
       if output_dir is not None:
         os.makedirs(output_dir, exist_ok=True)
-        pd.DataFrame(top_ops(trace_dir, steps, fold=False),
-                     columns=["op", "ms_per_step", "calls_per_step"]).to_csv(
-            os.path.join(output_dir, f"ops_{name}_b{batch}.csv"), index=False)
+        ops = pd.DataFrame(top_ops(trace_dir, steps, fold=False),
+                           columns=["op", "ms_per_step", "calls_per_step"])
+        sources = op_sources(trace_dir)
+        for key in ("hlo_module", "hlo_op"):
+          ops[key] = [sources.get(op, {}).get(key, "") for op in ops["op"]]
+        ops.to_csv(os.path.join(output_dir, f"ops_{name}_b{batch}.csv"), index=False)
   for row in rows:
     if row["batch_size"] == batch and row["method"] in device_ms:
       row["device_ms"] = device_ms[row["method"]]

@@ -40,6 +40,7 @@ reads the target's hidden rows back and sends the window to the head's jitted ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -68,7 +69,10 @@ from specjax.sampling import (
   sample_from_probs,
 )
 
-__all__ = ["FeaturePool", "HeadParams", "LearnedHeadMethod", "feature_window",
+# Values the head's ``matmul_precision`` takes (``jax.default_matmul_precision``'s).
+HEAD_MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
+
+__all__ = ["HEAD_MATMUL_PRECISIONS", "FeaturePool", "HeadParams", "LearnedHeadMethod", "feature_window",
            "head_draft_step", "head_tree_step", "write_features"]
 
 
@@ -260,7 +264,10 @@ class LearnedHeadMethod(Method):
     feature_layers: target ``hidden_states`` indices of a random head; None = the
       kind's default for the target (EAGLE-3: low/mid/high, others: the final state).
       Must match the head's when ``head_path`` is given.
-    window: attention window of a random head.
+    window: positions the head attends to while drafting; None: the head's own
+      (``HeadConfig.window``, the one it was trained with; 64 for a random head). Another
+      value for a trained head drafts with a context it was not trained on (a cost
+      experiment: the window is recomputed at every draft call).
     seed: initialisation seed of a random head.
     tree_nodes: 0 drafts a chain of k tokens; n > 0 drafts a tree of n nodes and depth
       <= k (kinds whose ``max_tree_nodes`` is > 0: EAGLE-2 trees for EAGLE/EAGLE-3,
@@ -268,6 +275,11 @@ class LearnedHeadMethod(Method):
     tree_branching: children per expanded tree node (top-k of the head).
     stop_entropy: None, or (chains only; SVIP, ``methods.svip``) a row stops after the
       first draft whose untempered head distribution has entropy above this many nats.
+    matmul_precision: None drafts at the run's ``jax.default_matmul_precision``; else one
+      of ``HEAD_MATMUL_PRECISIONS`` for the head's own matmuls (the target's verify keeps
+      the run's). Drafts only decide what is accepted, never what is committed, so a
+      lower precision keeps every method lossless (vLLM and SGLang run drafters in the
+      model's dtype).
     fused: chains without ``stop_entropy`` draft inside the engine's device step from
       device features (the module docstring); False: the host-called path (one
       synchronous step each; the test oracle of the fused path).
@@ -277,11 +289,12 @@ class LearnedHeadMethod(Method):
   k: int = 4
   head_path: str | None = None
   feature_layers: tuple[int, ...] | None = None
-  window: int = 64
+  window: int | None = None
   seed: int = 0
   tree_nodes: int = 0
   tree_branching: int = 4
   stop_entropy: float | None = None
+  matmul_precision: str | None = None
   fused: bool = True
 
   def __post_init__(self):
@@ -293,8 +306,11 @@ class LearnedHeadMethod(Method):
                        f"chain drafting (tree_nodes={self.tree_nodes} must be 0)")
     if self.k < 1:
       raise ValueError(f"num_speculative_tokens k={self.k} must be >= 1")
-    if self.window < 1:
-      raise ValueError(f"window={self.window} must be >= 1")
+    if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+      raise ValueError(f"window={self.window!r} must be None (the head's) or an int >= 1")
+    if self.matmul_precision is not None and self.matmul_precision not in HEAD_MATMUL_PRECISIONS:
+      raise ValueError(f"matmul_precision={self.matmul_precision!r} must be None (the run's) "
+                       f"or one of {HEAD_MATMUL_PRECISIONS}")
     if self.tree_nodes < 0:
       raise ValueError(f"tree_nodes={self.tree_nodes} must be >= 0 (0 drafts a chain)")
     if self.tree_branching < 1:
@@ -354,7 +370,7 @@ class LearnedHeadMethod(Method):
     """Config of the random head built when ``head_path`` is None."""
     extra = {"num_modules": self.k} if self.kind in ("mtp", "medusa") else {}
     return HeadConfig.for_target(self.kind, target_config, feature_layers=self.feature_layers,
-                                 window=self.window, **extra)
+                                 window=self.window or 64, **extra)
 
   def build_head(self, runtime) -> nnx.Module:
     """The head module (loaded, or random). Tests override this to plug in oracles.
@@ -373,7 +389,8 @@ class LearnedHeadMethod(Method):
   def init_state(self, runtime) -> _State:
     head = self.build_head(runtime)
     graphdef, state = nnx.split(head)
-    return _State(runtime.target, graphdef, state, head.cfg.window, head.cfg.feature_dim,
+    return _State(runtime.target, graphdef, state, self.window or head.cfg.window,
+                  head.cfg.feature_dim,
                   {}, {})
 
   # ---------------------------------------------------------------- fused path
@@ -382,7 +399,8 @@ class LearnedHeadMethod(Method):
     head = self.build_head(runtime)
     graphdef, state = nnx.split(head)
     target = runtime.target
-    params = HeadParams(state, target.params, graphdef, target.graphdef, head.cfg.window)
+    params = HeadParams(state, target.params, graphdef, target.graphdef,
+                        self.window or head.cfg.window)
     feats = jnp.zeros((runtime.num_pages * runtime.page_size, head.cfg.feature_dim),
                       jnp.dtype(target.config.dtype))
     return params, FeaturePool(feats, runtime.page_size)
@@ -399,7 +417,17 @@ class LearnedHeadMethod(Method):
                                       meta.q_lens, tuple(hidden), page_size=state.page_size),
                        state.page_size)
 
+  def _precision(self):
+    """A context for the head's matmuls (``matmul_precision``; None: the run's)."""
+    if self.matmul_precision is None:
+      return contextlib.nullcontext()
+    return jax.default_matmul_precision(self.matmul_precision)
+
   def propose_device(self, params: HeadParams, state: FeaturePool, rows, *, all_greedy):
+    with self._precision():
+      return self._propose_device(params, state, rows, all_greedy=all_greedy)
+
+  def _propose_device(self, params: HeadParams, state: FeaturePool, rows, *, all_greedy):
     """k head steps for every row from its device window (``feature_window``), as the
     host path's ``head_draft_step`` (``tree_nodes > 0``: its ``head_tree_step`` tree of
     depth k, with ``parents``); rows with one committed token (no feature yet) draft
@@ -459,6 +487,10 @@ class LearnedHeadMethod(Method):
 
   # ---------------------------------------------------------------- drafting
   def propose(self, state: _State, ctx):
+    with self._precision():
+      return self._propose(state, ctx)
+
+  def _propose(self, state: _State, ctx):
     rows = len(ctx.request_ids)
     batch = ctx.page_indices.shape[0]
     width, fdim = state.window, state.feature_dim

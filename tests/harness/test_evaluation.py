@@ -226,6 +226,8 @@ def test_device_profile_sets_device_columns_and_ops(monkeypatch, tmp_path):
   busy = iter([0.9, 0.7])  # seconds: ar, then ngram
   monkeypatch.setattr(evaluation, "device_busy_seconds", lambda d: next(busy))
   monkeypatch.setattr(evaluation, "top_ops", lambda d, steps, fold: [("fusion", 0.1, 2)])
+  monkeypatch.setattr(evaluation, "op_sources",
+                      lambda d: {"fusion": {"hlo_module": "jit_step", "hlo_op": "fusion.3"}})
 
   class FakeEngine:
     def __init__(self, steps):
@@ -246,4 +248,5 @@ def test_device_profile_sets_device_columns_and_ops(monkeypatch, tmp_path):
   assert "device_ms" not in rows[1]  # batch 4 was not profiled here
   assert engines["ngram"].runtime.method_cache == {}
   ops = pd.read_csv(tmp_path / "ops_ngram_b1.csv")
-  assert ops.to_dict("records") == [{"op": "fusion", "ms_per_step": 0.1, "calls_per_step": 2}]
+  assert ops.to_dict("records") == [{"op": "fusion", "ms_per_step": 0.1, "calls_per_step": 2,
+                                     "hlo_module": "jit_step", "hlo_op": "fusion.3"}]

@@ -28,6 +28,7 @@ from methods.training.trainer import (
     train,
 )
 from models.heads import (
+    EagleHead,
     HeadConfig,
     load_head,
     make_head,
@@ -498,3 +499,35 @@ def test_fused_tree_near_max_model_len_equals_ar(target):
   ar, _ = Engine(target, make_method("ar"), ENGINE).generate(requests)
   assert outputs[0].output_token_ids == ar[0].output_token_ids
   assert sum(s.num_draft_tokens for s in metrics.steps) > 0
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "host"])
+def test_head_matmul_precision_applies_to_the_head_only(target, ar_outputs, monkeypatch, fused):
+  """``matmul_precision`` is the context of the head's drafting (fused and host-called)
+  and not of the target's verify; outputs stay AR's."""
+  seen = []
+  draft = EagleHead.draft
+
+  def spy(self, *args, **kw):
+    seen.append(jax.config.jax_default_matmul_precision)
+    return draft(self, *args, **kw)
+
+  monkeypatch.setattr(EagleHead, "draft", spy)
+  requests = _requests(*WORKLOADS["batch3"])
+  method = _method("eagle3", matmul_precision="bfloat16", fused=fused)
+  outputs, _ = Engine(target, method, ENGINE).generate(requests)
+  assert [o.output_token_ids for o in outputs] == ar_outputs("batch3")
+  assert seen and set(seen) == {"bfloat16"}
+  assert jax.config.jax_default_matmul_precision == "highest"
+
+
+def test_window_option_overrides_a_trained_heads_window(target, tmp_path):
+  path = str(tmp_path / "eagle3")
+  save_head(path, _head("eagle3", target.config, window=MAX_LEN))
+  runtime = Engine(target, make_method("eagle3", K, head_path=path), ENGINE).runtime
+  assert make_method("eagle3", K, head_path=path).init_device(runtime)[0].window == MAX_LEN
+  assert make_method("eagle3", K, head_path=path, window=4).init_device(runtime)[0].window == 4
+  with pytest.raises(ValueError, match=r"window=0 must be None \(the head's\) or an int >= 1"):
+    make_method("eagle3", K, head_path=path, window=0)
+  with pytest.raises(ValueError, match=r"matmul_precision='fast' must be None"):
+    make_method("eagle3", K, head_path=path, matmul_precision="fast")
