@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import dataclasses
+import json
 import os
 import pstats
 import tempfile
@@ -52,7 +53,7 @@ from absl import app, flags
 
 from benchmarks.step_cost import _kv_bytes, _param_bytes
 from harness import plots
-from harness.device_time import device_busy_seconds, top_host_events, top_ops
+from harness.device_time import device_busy_seconds, op_sources, top_host_events, top_ops
 from harness.evaluation import MATMUL_PRECISIONS
 from harness.synthetic import ConstantDrafter
 from harness.traces import parse_replay, read_jsonl, replay_requests
@@ -111,7 +112,8 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                     drafter: str = "constant", draft: str | None = None,
                     steps_per_dispatch: int = EngineConfig.steps_per_dispatch, top: int = 0,
                     ops_dir: str | None = None, acceptance: str = "synthetic",
-                    replay_num_requests: int | None = None, log=print) -> pd.DataFrame:
+                    replay_num_requests: int | None = None, drafter_options=None,
+                    log=print) -> pd.DataFrame:
   """One row per (num_layers, mesh, batch, context, L); see the module docstring.
   ``target`` is a ``SHAPES`` name (random weights) or a ``models.zoo`` model (real
   weights); ``meshes`` holds "none" and/or ``specjax.sharding.parse_mesh`` strings;
@@ -129,6 +131,9 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
   trace file's requests (``harness.traces.replay_requests``, the first
   ``replay_num_requests``; their prompt and output lengths replace ``contexts`` and
   ``new_tokens``) with the recorded acceptance replayed (``EngineConfig.acceptance_replay``).
+  ``drafter_options`` (a dict) are passed to the drafter method's constructor (e.g.
+  ``{"matmul_precision": "default"}`` for "eagle3"), checked as ``make_method`` checks
+  method options.
 
   Raises:
     ValueError: an unknown ``drafter``, or "draft_model" without ``draft``, a bad
@@ -162,8 +167,10 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
                  attention_implementation=attention_implementation, profile=profile,
                  layer_execution=layer_execution, drafter=drafter, draft_split=draft_split,
                  steps_per_dispatch=steps_per_dispatch, top=top, ops_dir=ops_dir,
-                 log=log, replay=replay, replay_num_requests=replay_num_requests)
+                 log=log, replay=replay, replay_num_requests=replay_num_requests,
+                 drafter_options=drafter_options)
       df.insert(3, "drafter", drafter if draft_split is None else f"draft_model:{draft}")
+      df.insert(4, "drafter_options", json.dumps(drafter_options or {}, sort_keys=True))
       df.insert(2, "num_layers", cfg.num_layers)
       frames.append(df)
       del split
@@ -199,7 +206,8 @@ def _scale_layers(df: pd.DataFrame, full: int) -> pd.DataFrame:
   return df
 
 
-def _method(drafter: str, length: int, cfg=None):
+def _method(drafter: str, length: int, cfg=None, options=None):
+  options = dict(options or {})
   if not length:
     from methods.ar import AutoRegressive  # noqa: PLC0415
 
@@ -207,17 +215,28 @@ def _method(drafter: str, length: int, cfg=None):
   if drafter == "draft_model":
     from methods.draft_model import DraftModel  # noqa: PLC0415
 
-    return DraftModel(k=length)
+    return _checked(DraftModel, options, k=length)
   if drafter == "suffix":  # suffix decoding's device drafter (fused): its cost in the step
     from methods.suffix import SuffixDecoding  # noqa: PLC0415
 
-    return SuffixDecoding(k=length, device=True)
+    return _checked(SuffixDecoding, options, k=length, device=True)
   if drafter == "eagle3":  # a random EAGLE-3 head's fused chain: L head steps in the step
     from methods.eagle3 import Eagle3  # noqa: PLC0415
     from models.heads import default_eagle3_layers  # noqa: PLC0415
 
-    return Eagle3(k=length, feature_layers=default_eagle3_layers(cfg.num_layers))
+    return _checked(Eagle3, options, k=length,
+                    feature_layers=default_eagle3_layers(cfg.num_layers))
+  if options:
+    raise ValueError(f"drafter={drafter!r} takes no drafter options; got {options}")
   return ConstantDrafter(k=length, device=drafter == "constant")
+
+
+def _checked(cls, options: dict, **fixed):
+  """``cls(**fixed, **options)`` with the options checked against its fields."""
+  from methods.registry import check_option_types  # noqa: PLC0415
+
+  check_option_types(cls, options)
+  return cls(**fixed, **options)
 
 
 def _replay_workload(cfg, replay, num_requests):
@@ -232,7 +251,7 @@ def _replay_workload(cfg, replay, num_requests):
 def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths, new_tokens,
           attention_implementation, profile, layer_execution, drafter, draft_split,
           steps_per_dispatch, top, ops_dir, log, replay=None,
-          replay_num_requests=None) -> pd.DataFrame:
+          replay_num_requests=None, drafter_options=None) -> pd.DataFrame:
   """The (batch, context, L) rows of one placed model (``replay``: ``(FILE, METHOD)``,
   one workload of the trace's requests instead of the contexts)."""
   placement = sharding.describe(mesh, cfg=cfg)
@@ -262,7 +281,7 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
             synthetic_acceptance=(1.0,) if length and replay is None else None,
             acceptance_replay=bool(length) and replay is not None, mesh=mesh,
             steps_per_dispatch=steps_per_dispatch)
-        method = _method(drafter, length, cfg)
+        method = _method(drafter, length, cfg, drafter_options)
         engine = Engine(split, method, ecfg, draft=draft_split if length else None)
         engine.generate(reqs)  # warm-up: compiles
         _, met = engine.generate(reqs)
@@ -280,10 +299,13 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
                 log(f"  L={length} op {name}: {ms:.4f} ms/step, {calls} calls/step")
             if top and ops_dir:
               os.makedirs(ops_dir, exist_ok=True)
-              pd.DataFrame(top_ops(d, reps, fold=False), columns=["op", "ms_per_step",
-                                                                 "calls_per_step"]).to_csv(
-                  os.path.join(ops_dir, f"ops_b{batch}_ctx{context}_L{length}.csv"),
-                  index=False)
+              ops = pd.DataFrame(top_ops(d, reps, fold=False),
+                                 columns=["op", "ms_per_step", "calls_per_step"])
+              sources = op_sources(d)
+              for key in ("hlo_module", "hlo_op"):
+                ops[key] = [sources.get(op, {}).get(key, "") for op in ops["op"]]
+              ops.to_csv(os.path.join(ops_dir, f"ops_b{batch}_ctx{context}_L{length}.csv"),
+                         index=False)
               host = top_host_events(d, reps)
               for name, ms, calls in host[:top]:
                 log(f"  L={length} host {name}: {ms:.4f} ms/step, {calls} calls/step")
@@ -380,6 +402,9 @@ _ACCEPTANCE = flags.DEFINE_string(
     "acceptance", "synthetic", "synthetic (every draft accepted) or replay:FILE[:METHOD] "
     "(a harness.traces / seed trace file's requests and recorded acceptance; --contexts "
     "and --new_tokens are then unused).")
+_DRAFTER_OPTION = flags.DEFINE_multi_string(
+    "drafter_option", [], "Repeatable KEY=VALUE (VALUE read as JSON when it parses): an "
+    "option of the drafter's method, e.g. --drafter=eagle3 --drafter_option=window=16.")
 _REPLAY_N = flags.DEFINE_integer("replay_requests", None, "With replay: the first this many "
                                  "requests of the file (default: all).", lower_bound=1)
 
@@ -410,7 +435,26 @@ def _run(impl) -> pd.DataFrame:
       num_layers=[int(n) for n in _NUM_LAYERS.value] if _NUM_LAYERS.value else None,
       drafter=_DRAFTER.value, draft=_DRAFT.value, steps_per_dispatch=_STEPS.value,
       top=_TOP.value, ops_dir=_OUT.value, acceptance=_ACCEPTANCE.value,
-      replay_num_requests=_REPLAY_N.value)
+      replay_num_requests=_REPLAY_N.value,
+      drafter_options=_drafter_options(_DRAFTER_OPTION.value))
+
+
+def _drafter_options(entries: list[str]) -> dict:
+  """``["window=16", "matmul_precision=default"]`` -> ``{"window": 16, ...}``.
+
+  Raises:
+    ValueError: an entry not of the form KEY=VALUE.
+  """
+  out = {}
+  for entry in entries:
+    key, sep, raw = entry.partition("=")
+    if not (sep and key):
+      raise ValueError(f"--drafter_option={entry!r} must look like KEY=VALUE")
+    try:
+      out[key] = json.loads(raw)
+    except json.JSONDecodeError:
+      out[key] = raw
+  return out
 
 
 if __name__ == "__main__":

@@ -292,6 +292,27 @@ for step in "$@"; do
         python3 -m benchmarks.hlo_fusions --ops_csv="$OUT/e3ops/ops_${m}_b1.csv" \
           --dump_dir=/tmp/e3dump --top=${TOP_OPS:-10} > "$OUT/${m}_fusions.txt" 2>&1
       done ;;
+    eagle3_step)  # a random EAGLE-3 head's fused chain (L = 3) in the SmolLM2 f32 step at
+      # the evaluation's precision: its top device ops looked up in an XLA dump, then the
+      # step under each drafter option set of E3_STEP_OPTIONS (";"-separated, each a
+      # space-separated list of KEY=VALUE); one CSV of every row in $OUT/eagle3_step.csv
+      EL="python3 -m benchmarks.engine_loop --target=smollm2-135m --dtype=float32
+        --batch_sizes=1 --contexts=512 --lengths=0,3 --matmul_precision=highest --drafter=eagle3"
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/e3sdump --xla_dump_hlo_as_text" \
+        run e3step_base $EL --top_ops=${TOP_OPS:-12} --output_dir=/tmp/e3step/base
+      for L in 0 3; do
+        cp /tmp/e3step/base/ops_b1_ctx512_L$L.csv "$OUT/eagle3_step_ops_L$L.csv"
+        python3 -m benchmarks.hlo_fusions --ops_csv=/tmp/e3step/base/ops_b1_ctx512_L$L.csv \
+          --dump_dir=/tmp/e3sdump --top=${TOP_OPS:-12} > "$OUT/eagle3_step_fusions_L$L.txt" 2>&1
+      done
+      IFS=';' read -ra sets <<< "${E3_STEP_OPTIONS:-}"
+      i=0
+      for set in "${sets[@]}"; do
+        i=$((i + 1)); opts=()
+        for kv in $set; do opts+=("--drafter_option=$kv"); done
+        run "e3step_$i" $EL "${opts[@]}" --output_dir="/tmp/e3step/v$i"
+      done
+      python3 -c "import glob, pandas as pd; pd.concat([pd.read_csv(f) for f in sorted(glob.glob('/tmp/e3step/*/engine_loop.csv'))]).to_csv('$OUT/eagle3_step.csv', index=False)" ;;
     eagle3_variants)  # that point under each of E3_VARIANTS ("name=evaluate flags" items
       # separated by ";"), with --device_profile: one line of c and c_device per variant
       head=${EAGLE3_HEAD:-smollm2-135m-eagle3}

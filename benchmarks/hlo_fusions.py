@@ -10,7 +10,7 @@ Run a profiled evaluation with the dump on, then point this at both, e.g.::
 
 An op is found by its ``hlo_module`` / ``hlo_op`` columns when the trace gave them
 (``harness.device_time.op_sources``), else by its kernel name (XLA names the kernel of
-``fusion.12`` ``fusion_12``) in every optimized module of the dump; each match is printed.
+``gemm_fusion_dot.12`` ``gemm_fusion_dot_12``) in every optimized module of the dump; each match is printed.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def describe(op: str, module: str, hlo_op: str, files: list[str], max_lines: int
   """Lines describing ``op``: for each optimized module of ``files`` (those named after
   ``module`` when given) holding its instruction, the instruction and the computation it
   calls, cut to ``max_lines`` (at most 3 modules)."""
-  names = {hlo_op} if hlo_op else {op, op.replace("_", ".")}
+  # XLA names the kernel of instruction "gemm_fusion_dot.82" "gemm_fusion_dot_82".
+  names = {hlo_op} if hlo_op else {op, re.sub(r"_(\d+)$", r".\1", op)}
   found, matches = [], 0
   for path in files:
     if module and module not in os.path.basename(path):

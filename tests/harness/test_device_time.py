@@ -47,7 +47,7 @@ HLO = """HloModule jit_step, entry_computation_layout={()->f32[8]}
 
 ENTRY %main.3 (x: f32[4,8]) -> f32[8] {
   %x = f32[4,8]{1,0} parameter(0)
-  ROOT %fusion.7 = f32[8]{0} fusion(%x), kind=kInput, calls=%fused_computation.1, metadata={op_name="jit(step)/reduce_sum"}
+  ROOT %input_fusion.7 = f32[8]{0} fusion(%x), kind=kInput, calls=%fused_computation.1, metadata={op_name="jit(step)/reduce_sum"}
 }
 """
 
@@ -56,11 +56,12 @@ def test_hlo_fusions_finds_the_instruction_and_its_computation(tmp_path):
   path = tmp_path / "module_0001.jit_step.sm_9.0_gpu_after_optimizations.txt"
   path.write_text(HLO)
   files = [str(path)]
-  by_source = hlo_fusions.describe("fusion_7", "jit_step", "fusion.7", files, max_lines=10)
-  by_kernel = hlo_fusions.describe("fusion_7", "", "", files, max_lines=10)
+  by_source = hlo_fusions.describe("input_fusion_7", "jit_step", "input_fusion.7", files,
+                                   max_lines=10)
+  by_kernel = hlo_fusions.describe("input_fusion_7", "", "", files, max_lines=10)
   assert by_source == by_kernel
-  assert "ROOT %fusion.7 = f32[8]{0} fusion(%x)" in by_source[0]
+  assert "ROOT %input_fusion.7 = f32[8]{0} fusion(%x)" in by_source[0]
   assert any("reduce_sum.0 = f32[8]{0} reduce" in line for line in by_source)
-  assert hlo_fusions.describe("fusion_7", "jit_other", "fusion.7", files, 10) == [
+  assert hlo_fusions.describe("input_fusion_7", "jit_other", "input_fusion.7", files, 10) == [
       "  (not found in the dump)"]
-  assert len(hlo_fusions.describe("fusion_7", "", "", files, max_lines=2)) == 4  # + "more"
+  assert len(hlo_fusions.describe("input_fusion_7", "", "", files, max_lines=2)) == 4
