@@ -54,6 +54,9 @@ def describe(op: str, module: str, hlo_op: str, files: list[str], max_lines: int
   ``module`` when given) holding its instruction, the instruction and the computation it
   calls, cut to ``max_lines`` (at most 3 modules)."""
   # XLA names the kernel of instruction "gemm_fusion_dot.82" "gemm_fusion_dot_82".
+  # Inside a command buffer (CUDA graph) the trace names the buffer, not the fusion.
+  if hlo_op.startswith("command_buffer"):
+    hlo_op = ""
   names = {hlo_op} if hlo_op else {op, re.sub(r"_(\d+)$", r".\1", op)}
   found, matches = [], 0
   for path in files:

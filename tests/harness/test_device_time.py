@@ -59,7 +59,8 @@ def test_hlo_fusions_finds_the_instruction_and_its_computation(tmp_path):
   by_source = hlo_fusions.describe("input_fusion_7", "jit_step", "input_fusion.7", files,
                                    max_lines=10)
   by_kernel = hlo_fusions.describe("input_fusion_7", "", "", files, max_lines=10)
-  assert by_source == by_kernel
+  in_graph = hlo_fusions.describe("input_fusion_7", "jit_step", "command_buffer_3", files, 10)
+  assert by_source == by_kernel == in_graph
   assert "ROOT %input_fusion.7 = f32[8]{0} fusion(%x)" in by_source[0]
   assert any("reduce_sum.0 = f32[8]{0} reduce" in line for line in by_source)
   assert hlo_fusions.describe("input_fusion_7", "jit_other", "input_fusion.7", files, 10) == [
