@@ -214,15 +214,19 @@ for step in "$@"; do
           --drafter=$d --matmul_precision=highest --top_ops=${TOP_OPS:-25} \
           --output_dir="$OUT/sm_drafter_$d"
       done ;;
-    small_f32)  # full-f32 projections of few rows (models.layers.set_small_f32_matmul):
-      # XLA's dot, multiply + reduce, the Pallas Triton kernel; SmolLM2 AR and verify steps
-      for spec in ${SMALL_F32_RUNS:-dot:4 reduce:4 pallas_triton:16}; do
-        run "sm_f32_${spec%%:*}" python3 -m benchmarks.engine_loop --target=smollm2-135m \
-          --dtype=float32 --batch_sizes=1,4 --contexts=512 --lengths=0,4 \
-          --matmul_precision=highest --small_f32_matmul=${spec%%:*} \
-          --small_f32_max_rows=${spec#*:} --top_ops=${TOP_OPS:-12} \
-          --output_dir="$OUT/sm_f32_${spec%%:*}"
-      done ;;
+    small_f32)  # full-f32 projections of few rows (models.layers.set_small_f32_matmul) in
+      # the SmolLM2 AR and 4-row verify steps, with the zero-cost drafter and a random
+      # EAGLE-3 head (SMALL_F32_DRAFTERS); every row in $OUT/small_f32.csv
+      for d in ${SMALL_F32_DRAFTERS:-constant eagle3}; do
+        for spec in ${SMALL_F32_RUNS:-reduce:4 reduce_rows:4 reduce_leading:4}; do
+          run "sm_f32_${d}_${spec%%:*}" python3 -m benchmarks.engine_loop \
+            --target=smollm2-135m --dtype=float32 --batch_sizes=${SMALL_F32_BATCHES:-1} \
+            --contexts=512 --lengths=0,3 --drafter=$d --matmul_precision=highest \
+            --small_f32_matmul=${spec%%:*} --small_f32_max_rows=${spec#*:} \
+            --output_dir="/tmp/sm_f32/${d}_${spec%%:*}"
+        done
+      done
+      python3 -c "import glob, pandas as pd; pd.concat([pd.read_csv(f) for f in sorted(glob.glob('/tmp/sm_f32/*/engine_loop.csv'))]).to_csv('$OUT/small_f32.csv', index=False)" ;;
     smollm2_spd)  # steps per dispatch at SmolLM2 size, both attention back ends
       for impl in reference pallas_gpu,reference; do
         for n in 1 2 4 8; do

@@ -14,7 +14,9 @@ __all__ = ["SMALL_F32_MATMULS", "rms_norm", "rope_inv_freq", "apply_rope", "acti
 
 _TWO_ROW_DECODE = [True]
 # How full-f32 GPU projections of at most max_rows rows run (set_small_f32_matmul).
-SMALL_F32_MATMULS = ("reduce", "pallas_triton", "dot")
+SMALL_F32_MATMULS = ("reduce", "reduce_rows", "reduce_leading", "pallas_triton", "dot")
+# rows_reduce's forms of the sum, by implementation name.
+_REDUCE_FORMS = {"reduce": "middle", "reduce_rows": "rows", "reduce_leading": "leading"}
 _SMALL_F32 = {"implementation": "reduce", "max_rows": 4}
 _SMALL_F32_MAX_WEIGHT = 1 << 22  # elements: the per-layer weights, not an LM head
 _FULL_F32 = ("highest", "float32")
@@ -34,7 +36,8 @@ def two_row_decode() -> bool:
 def set_small_f32_matmul(implementation: str | None = None, max_rows: int | None = None) -> None:
   """Sets how ``project`` computes full-f32 GPU projections of at most ``max_rows`` rows
   (a per-layer-sized weight), for functions traced after the call: "reduce"
-  (``rows_reduce``, the default, 4 rows), "pallas_triton"
+  (``rows_reduce``, the default, 4 rows), "reduce_rows" / "reduce_leading" (its other
+  forms, ``rows_reduce(form=...)``), "pallas_triton"
   (``pallas_kernels.small_matmul``, at most 16 rows; shapes it does not take run XLA's
   dot, recorded in ``pallas_kernels.small_matmul.implementations_used``) or "dot" (XLA's
   own GEMM kernels). A benchmark knob: ``benchmarks.engine_loop --small_f32_matmul``.
@@ -86,7 +89,7 @@ def _as_matrix(spec: str, x: jax.Array, w: jax.Array):
   return x.reshape(-1, d).astype(jnp.float32), w2, (*x.shape[:-1], *w_other)
 
 
-def rows_reduce(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def rows_reduce(spec: str, x: jax.Array, w: jax.Array, form: str = "middle") -> jax.Array:
   """``jnp.einsum(spec, x, w)`` as an f32 multiply + sum over the contracted axis.
 
   ``spec`` must contract x's last axis with one axis of ``w`` and put x's leading axes,
@@ -94,11 +97,26 @@ def rows_reduce(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
   ``"...D,DV->...V"``). Shapes: ``x [..., D]``, ``w`` with D on that axis; returns
   ``f32[..., *w_other]``.
 
+  ``form`` is how the M x D x N product is laid out for XLA's reduction emitters (same
+  sums, other kernels): "middle" ``[M, D, N]`` summed over D (one fusion; on the H200 a
+  4-row SmolLM2 MLP projection became a Triton block-level fusion of ~16 us against ~4.4
+  for one row, ``docs/gpu/device_resident_loop``), "rows" M sibling ``[D, N]`` column
+  sums (one per row, for XLA to fuse into one multi-output kernel), "leading"
+  ``[D, M, N]`` summed over its leading axis.
+
   Raises:
-    ValueError: a spec of another form.
+    ValueError: a spec of another form, or an unknown ``form``.
   """
   x2, w2, shape = _as_matrix(spec, x, w)
-  return jnp.sum(x2[:, :, None] * w2[None], axis=1).reshape(shape)
+  if form == "middle":
+    out = jnp.sum(x2[:, :, None] * w2[None], axis=1)
+  elif form == "rows":
+    out = jnp.stack([jnp.sum(x2[r][:, None] * w2, axis=0) for r in range(x2.shape[0])])
+  elif form == "leading":
+    out = jnp.sum(x2.T[:, :, None] * w2[:, None, :], axis=0)
+  else:
+    raise ValueError(f"form={form!r} must be 'middle', 'rows' or 'leading'")
+  return out.reshape(shape)
 
 
 def _small_matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -137,7 +155,7 @@ def project(spec: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
       and w.size <= _SMALL_F32_MAX_WEIGHT and _full_f32(kwargs.get("precision"))):
     if impl == "pallas_triton":
       return _small_matmul(spec, x, w)
-    return rows_reduce(spec, x, w)
+    return rows_reduce(spec, x, w, _REDUCE_FORMS[impl])
   if (x.ndim < 2 or math.prod(x.shape[:-1]) != 1 or jax.default_backend() != "gpu"
       or not _TWO_ROW_DECODE[0]):
     return jnp.einsum(spec, x, w, **kwargs)

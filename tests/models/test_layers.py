@@ -64,13 +64,14 @@ ROWS_SPECS = [  # multi-row shapes of the same specs
 ]
 
 
+@pytest.mark.parametrize("form", ["middle", "rows", "leading"])
 @pytest.mark.parametrize("spec,x_shape,w_shape", ROWS_SPECS + SPECS)
-def test_rows_reduce_matches_einsum(spec, x_shape, w_shape):
+def test_rows_reduce_matches_einsum(spec, x_shape, w_shape, form):
   kx, kw = jax.random.split(jax.random.key(1))
   x = jax.random.normal(kx, x_shape, jnp.float32)
   w = jax.random.normal(kw, w_shape, jnp.float32)
   want = jnp.einsum(spec, x, w, precision="highest")
-  got = layers.rows_reduce(spec, x, w)
+  got = layers.rows_reduce(spec, x, w, form)
   assert got.shape == want.shape and got.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -78,6 +79,8 @@ def test_rows_reduce_matches_einsum(spec, x_shape, w_shape):
 def test_rows_reduce_rejects_other_specs():
   with pytest.raises(ValueError, match="spec='BTD,DF->BFT'"):
     layers.rows_reduce("BTD,DF->BFT", jnp.ones((1, 1, 8)), jnp.ones((8, 4)))
+  with pytest.raises(ValueError, match="form='columns' must be"):
+    layers.rows_reduce("BTD,DF->BTF", jnp.ones((1, 1, 8)), jnp.ones((8, 4)), "columns")
 
 
 def test_project_row_reduce_only_for_small_full_f32_on_gpu(monkeypatch):
@@ -130,3 +133,17 @@ def test_project_pallas_small_matmul_matches_einsum(monkeypatch):
     got = layers.project(spec, x, w, precision="highest")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   assert "pallas_triton" in sm.implementations_used() and "reference" in sm.implementations_used()
+
+
+def test_project_passes_the_reduce_form_of_the_implementation(monkeypatch):
+  forms = []
+  real = layers.rows_reduce
+  monkeypatch.setattr(layers, "rows_reduce", lambda *a: forms.append(a[3]) or real(*a))
+  monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(layers, "_SMALL_F32", {"implementation": "reduce", "max_rows": 4})
+  x, w = jnp.ones((1, 4, 8)), jnp.ones((8, 4))
+  for impl in ("reduce", "reduce_rows", "reduce_leading"):
+    layers.set_small_f32_matmul(impl)
+    got = layers.project("BTD,DF->BTF", x, w, precision="highest")
+    np.testing.assert_allclose(np.asarray(got), 8.0)
+  assert forms == ["middle", "rows", "leading"]
