@@ -33,6 +33,12 @@ Which member drafted each row is counted per ``generate`` call in
 ``runtime.method_cache[method]`` holds the ``AdaptiveStats`` of its latest call
 (``Adaptive.stats(engine.runtime)`` returns it).
 
+Seeded sampled requests: the choice depends on shared estimates (the batch, earlier
+requests). With members without draft probabilities (the default ``suffix``, ``ngram``)
+the coupled rule of ``specjax.verify`` emits a seeded request's AR tokens whatever was
+drafted; with a ``draft_model`` member (drafts with q, the optimal rule) its exact tokens
+may change with its partners (its distribution does not).
+
 Runs on the synchronous host path: the choice among members is made on the host from
 their host drafts and online estimates. Cost: one synchronous step each; fused members
 (n-gram) run their host ``propose`` here.

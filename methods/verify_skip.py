@@ -40,9 +40,12 @@ chain reached it and it was verified; label 1 iff accepted. The stale estimate a
 labels a missing draft (j >= n_r) inside the cap as 0; a drafted position truncated by
 lambda is censored.
 
-Limits: a seeded sampled request's tokens depend on its verified lengths, which depend
-on its batch partners and on earlier requests of the run (shared estimates, the batch's
-cost); its distribution does not (as in vLLM). Wrapping ``hsddw`` counts a truncated
+Seeded requests: the verified lengths depend on the batch partners and on earlier
+requests of the run (shared estimates, the batch's cost). Over a drafter without draft
+probabilities (n-gram, the default) that changes nothing: the coupled rule of
+``specjax.verify`` emits a seeded request's AR tokens whatever was drafted. Over one with
+q (a draft model) its exact tokens may change with its partners; its distribution does
+not (as in vLLM). Wrapping ``hsddw`` counts a truncated
 draft as rejected in its threshold. Cost by B rows, not the padded batch bucket.
 
 Runs on the synchronous host path: the truncation is a host decision from learned per-

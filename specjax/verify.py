@@ -8,8 +8,21 @@ accept draft d_j with probability min(1, p_j(d_j) / q_j(d_j)), where p and q are
 target and draft distributions after the same temperature/top-k/top-p; q(d) = 0
 rejects. At the first rejection sample the recovered token from
 normalize(max(0, p_j - q_j)); if every draft is accepted sample the bonus token from
-p_L. Without draft probabilities q is the one-hot of the draft token. Rows with
-``temperature < SAMPLING_EPS`` are greedy rows (``specjax.sampling.is_greedy``).
+p_L. Rows with ``temperature < SAMPLING_EPS`` are greedy rows
+(``specjax.sampling.is_greedy``).
+
+Drafts without probabilities (q one-hot: n-gram, suffix, top-k trees) use the *coupled*
+rule instead: the target's token t_j at each position is drawn from p_j alone (the
+Gumbel-max race below, at that position's key), the draft d_j is accepted iff d_j = t_j,
+and the first t_j not drafted is emitted. P(accept d) = p(d), as the rule above gives a
+one-hot q, and on a rejection t has the residual's law (p without d), so it is lossless
+with the same acceptance; and since t_j depends only on the row's prefix and key, a
+seeded request emits exactly the tokens its seeded AR run would, whatever was drafted
+(drafts that depend on batch partners, a shared suffix tree, preemption: ARCHITECTURE
+§8). Not from a paper: it is the plain decode's own sampling (the Gumbel-max trick,
+Gumbel 1954; Maddison et al. 2014, "A* Sampling") with the draft checked against it.
+Drafts with q keep the optimal rule above (a coupled rule for them would lower
+acceptance).
 
 Every sampler here draws the recovered / bonus token the same way: a Gumbel-max race
 ``argmax_v log w_v + g_v`` over its unnormalized weights w (the residual, or p) with the
@@ -74,6 +87,13 @@ def _race_sample(weights, keys, positions):
   g = gumbel_noise(seeds, jnp.arange(weights.shape[-1], dtype=jnp.int32)[None])
   race = jnp.where(weights > 0, jnp.log(jnp.where(weights > 0, weights, 1.0)) + g, -jnp.inf)
   return jnp.argmax(race, axis=-1).astype(jnp.int32)
+
+
+def _target_tokens(p, keys, positions):
+  """``i32[B, T]``: the target's token at each of ``positions i32[B, T]``, the race over
+  ``p f32[B, T, V]`` (``_race_sample``; the token a plain decode of the row draws there)."""
+  return jnp.stack([_race_sample(p[:, i], keys, positions[:, i]) for i in range(p.shape[1])],
+                   axis=1)
 
 
 def _assemble(draft_tokens, num_accepted, last_token):
@@ -141,11 +161,17 @@ def rejection_sample(
   batch, length = draft_tokens.shape
   vocab = target_logits.shape[-1]
   p = processed_probs(target_logits, temperature, top_k, top_p)  # [B, L+1, V]
+  greedy_row = is_greedy(temperature)[:, None]
+  if draft_probs is None:  # the coupled rule (module docstring)
+    t = _target_tokens(p, keys, positions[:, None] + jnp.arange(length + 1)[None])
+    ok = (draft_tokens == t[:, :length]) & (jnp.arange(length)[None] < num_draft[:, None])
+    accepted = _leading_run(ok)
+    last = jnp.take_along_axis(t, accepted[:, None], axis=1)[:, 0]
+    out = _assemble(draft_tokens, accepted, last)
+    return (jnp.where(greedy_row, greedy_out, out),
+            jnp.where(greedy_row[:, 0], greedy_acc, accepted))
   safe_draft = jnp.maximum(draft_tokens, 0)
-  if draft_probs is None:
-    q = jax.nn.one_hot(safe_draft, vocab, dtype=jnp.float32)
-  else:
-    q = draft_probs.astype(jnp.float32)
+  q = draft_probs.astype(jnp.float32)
   p_d = jnp.take_along_axis(p[:, :length], safe_draft[..., None], axis=-1)[..., 0]
   q_d = jnp.take_along_axis(q, safe_draft[..., None], axis=-1)[..., 0]
   u = _accept_uniforms(keys, positions, length)
@@ -159,7 +185,6 @@ def rejection_sample(
   has_mass = jnp.any(residual > 0, axis=-1, keepdims=True)
   last = _race_sample(jnp.where(has_mass, residual, p_a), keys, positions + accepted)
   out = _assemble(draft_tokens, accepted, last)
-  greedy_row = is_greedy(temperature)[:, None]
   out = jnp.where(greedy_row, greedy_out, out)
   accepted = jnp.where(greedy_row[:, 0], greedy_acc, accepted)
   return out, accepted
@@ -180,7 +205,8 @@ def fused_rejection_sample(
   """Lossless chain verification through ``pallas_kernels.verify`` (temperature only).
 
   Same acceptance rule as :func:`rejection_sample` (accept draft j with probability
-  min(1, p_j(d_j) / q_j(d_j)), same uniforms) and the same Gumbel-max draw of the
+  min(1, p_j(d_j) / q_j(d_j)), same uniforms; the coupled rule without
+  ``draft_probs``) and the same Gumbel-max draw of the
   recovered / bonus token (same seeds), but p, q(d) and the draw come from one sweep
   over V per position (``verify_rows``): no [B, L+1, V] probability or residual array is
   built. A seeded temperature-only request thus gets the same tokens as from
@@ -207,16 +233,22 @@ def fused_rejection_sample(
   seeds = jnp.stack([_sample_seeds(keys, positions + i) for i in range(length + 1)],
                     axis=1)  # [B, L+1]
   greedy = is_greedy(temperature)
+  coupled = draft_probs is None or not length  # the coupled rule (module docstring)
   # Greedy rows read only the argmax; temperature 0 keeps their p finite and unused.
-  stats = verify_rows(target_logits, jnp.where(greedy, 0.0, temperature), tokens, seeds,
-                      draft_probs if length else None,
+  # Coupled rows pass no draft token: each row's sample is then the race over p.
+  stats = verify_rows(target_logits, jnp.where(greedy, 0.0, temperature),
+                      jnp.full_like(tokens, -1) if coupled else tokens, seeds,
+                      None if coupled else draft_probs,
                       implementation=implementation, interpret=interpret)
   valid = j[:, :length] < num_draft[:, None]
   greedy_acc = _leading_run((draft_tokens == stats.argmax[:, :length]) & valid)
   greedy_last = jnp.take_along_axis(stats.argmax, greedy_acc[:, None], axis=1)[:, 0]
-  u = _accept_uniforms(keys, positions, length)
-  p_d, q_d = stats.p_token[:, :length], stats.q_token[:, :length]
-  accepted = _leading_run((q_d > 0) & (u * q_d < p_d) & valid)
+  if coupled:
+    accepted = _leading_run((draft_tokens == stats.sample[:, :length]) & valid)
+  else:
+    u = _accept_uniforms(keys, positions, length)
+    p_d, q_d = stats.p_token[:, :length], stats.q_token[:, :length]
+    accepted = _leading_run((q_d > 0) & (u * q_d < p_d) & valid)
   last = jnp.take_along_axis(stats.sample, accepted[:, None], axis=1)[:, 0]
   accepted = jnp.where(greedy, greedy_acc, accepted)
   return _assemble(draft_tokens, accepted, jnp.where(greedy, greedy_last, last)), accepted
@@ -245,6 +277,41 @@ def _record(path, num, accept, j):
   return jnp.where(accept[:, None] & at, j, path)
 
 
+def _coupled_tree(p, draft_tokens, parents, valid, depth, keys, positions):
+  """The coupled rule on a tree (``tree_rejection_sample`` without ``draft_probs``):
+  ``(output_tokens, num_accepted, accepted_nodes)`` as ``greedy_tree_verify``, with the
+  target's race sample at each node (root at ``positions``, node j at ``positions +
+  depth[j]``) in place of its argmax."""
+  node_pos = positions[:, None] + jnp.concatenate(
+      [jnp.zeros_like(depth[:, :1]), depth], axis=1)  # [B, L+1]
+  return _tree_walk(_target_tokens(p, keys, node_pos), draft_tokens, parents, valid)
+
+
+def _tree_walk(want, draft_tokens, parents, valid):
+  """From the root, repeatedly accept the first child whose token is ``want i32[B, L+1]``
+  at its parent (row 0 the root, row j + 1 node j); returns ``(output_tokens,
+  num_accepted, accepted_nodes)`` with ``want`` at the last accepted node emitted."""
+  batch, length = draft_tokens.shape
+
+  # One pass in node order suffices: the children of the current node all come after
+  # it, and once a child is accepted its later siblings are no longer children of the
+  # current node.
+  def step(carry, xs):
+    cur, num, path = carry
+    j, tok, par, ok = xs
+    here = jnp.take_along_axis(want, cur[:, None], axis=1)[:, 0]
+    accept = ok & (par + 1 == cur) & (tok == here)
+    path = _record(path, num, accept, j)
+    return (jnp.where(accept, j + 1, cur), num + accept, path), None
+
+  init = (jnp.zeros(batch, jnp.int32), jnp.zeros(batch, jnp.int32),
+          jnp.full((batch, length), -1, jnp.int32))
+  xs = (jnp.arange(length, dtype=jnp.int32), draft_tokens.T, parents.T, valid.T)
+  (cur, num, path), _ = jax.lax.scan(step, init, xs)
+  last = jnp.take_along_axis(want, cur[:, None], axis=1)[:, 0]
+  return _path_output(draft_tokens, path, num, last), num, path
+
+
 def _path_output(draft_tokens, path, num_accepted, last_token):
   """``output_tokens i32[B, L+1]``: the path's tokens, then ``last_token``, then -1."""
   path_tokens = jnp.take_along_axis(draft_tokens, jnp.maximum(path, 0), axis=1)
@@ -266,27 +333,10 @@ def greedy_tree_verify(target_logits, draft_tokens, parents, num_draft):
     the accepted path's tokens then the target argmax after it (-1 padded), its length,
     and its node indices by depth (-1 padded).
   """
-  batch, length = draft_tokens.shape
+  length = draft_tokens.shape[1]
   argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, L+1]
   valid = jnp.arange(length)[None] < num_draft[:, None]
-
-  # One pass in node order suffices: the children of the current node all come after
-  # it, and once a child is accepted its later siblings are no longer children of the
-  # current node.
-  def step(carry, xs):
-    cur, num, path = carry
-    j, tok, par, ok = xs
-    want = jnp.take_along_axis(argmax, cur[:, None], axis=1)[:, 0]
-    accept = ok & (par + 1 == cur) & (tok == want)
-    path = _record(path, num, accept, j)
-    return (jnp.where(accept, j + 1, cur), num + accept, path), None
-
-  init = (jnp.zeros(batch, jnp.int32), jnp.zeros(batch, jnp.int32),
-          jnp.full((batch, length), -1, jnp.int32))
-  xs = (jnp.arange(length, dtype=jnp.int32), draft_tokens.T, parents.T, valid.T)
-  (cur, num, path), _ = jax.lax.scan(step, init, xs)
-  last = jnp.take_along_axis(argmax, cur[:, None], axis=1)[:, 0]
-  return _path_output(draft_tokens, path, num, last), num, path
+  return _tree_walk(argmax, draft_tokens, parents, valid)
 
 
 def tree_rejection_sample(
@@ -317,6 +367,11 @@ def tree_rejection_sample(
   deterministically (top-k trees: pass no probabilities, q_c = one-hot of x, and the
   residual just removes x). Greedy rows (temperature below ``SAMPLING_EPS``) use
   ``greedy_tree_verify``.
+
+  Without ``draft_probs`` (top-k trees) the coupled rule of the module docstring: the
+  target's token t at the current node is the race over p there, the first child whose
+  token is t is accepted, and t is emitted where no child has it; the tokens are then
+  exactly a plain decode's (and a one-branch tree's are the chain samplers').
 
   Randomness: the uniform of a node at depth d and sibling rank r uses
   ``fold_in(request_key, positions + d - 1)`` on the accept stream, folded once more
@@ -351,6 +406,12 @@ def tree_rejection_sample(
   p = processed_probs(target_logits, temperature, top_k, top_p)  # [B, L+1, V]
   valid = jnp.arange(length)[None] < num_draft[:, None]
   depth, rank = _depths_and_ranks(parents, valid)
+  greedy_row = is_greedy(temperature)
+  if draft_probs is None:
+    out, num, path = _coupled_tree(p, draft_tokens, parents, valid, depth, keys, positions)
+    return (jnp.where(greedy_row[:, None], greedy[0], out),
+            jnp.where(greedy_row, greedy[1], num),
+            jnp.where(greedy_row[:, None], greedy[2], path))
 
   def uniform(key, pos, r):
     k = jax.random.fold_in(jax.random.fold_in(key, pos), STREAM_ACCEPT)
@@ -386,6 +447,5 @@ def tree_rejection_sample(
   (_, num, path, _, w), _ = jax.lax.scan(step, init, xs)
   last = _race_sample(w, keys, positions + num)
   out = _path_output(draft_tokens, path, num, last)
-  greedy_row = is_greedy(temperature)
   return (jnp.where(greedy_row[:, None], greedy[0], out), jnp.where(greedy_row, greedy[1], num),
           jnp.where(greedy_row[:, None], greedy[2], path))
