@@ -213,9 +213,11 @@ class SpeculativeVerification(WrappedDrafter):
     return logits
 
   def propose(self, state: _State, ctx):
+    # A request new to the drafter (first seen, or back from a preemption): its
+    # companion KV is rebuilt; its calibration table (popped when it finishes) is kept,
+    # so a preemption does not change its verified lengths.
     for rid in ctx.new_requests:
       state.written[rid] = 0
-      state.tables.pop(rid, None)
     state.inner, draft = self.inner.propose(state.inner, ctx)
     rows = len(ctx.request_ids)
     batch = ctx.page_indices.shape[0]

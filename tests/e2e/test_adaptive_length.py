@@ -7,6 +7,8 @@ oracle check), "mid" gives mixed lengths. SV's companion is a third tiny model: 
 target with its layer weights perturbed half as much as the draft's.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from e2e_lib import K, build_model, check_counters, full_logits, make_requests, model_config
@@ -223,3 +225,65 @@ def test_bad_options(companion):
     row = m.describe()  # flat, scalar result-row columns
     assert row["drafter.method"] == "draft_model" and "companion_model" not in row
     assert all(v is None or isinstance(v, (bool, int, float, str)) for v in row.values())
+
+
+@pytest.mark.slow
+def test_sv_keeps_a_requests_calibration_through_preemption(make_engine, companion,
+                                                            monkeypatch):
+  """A preempted request comes back as a new one to the drafter; its per-request table
+  (what its verified lengths are learned from) must survive until it finishes, or a
+  seeded sampled request's tokens depend on the pool pressure its partners cause."""
+  from e2e_lib import ENGINE_CONFIG  # noqa: PLC0415
+
+  from methods import sv  # noqa: PLC0415
+
+  finished, early = set(), []
+
+  class Tables(dict):
+    def pop(self, rid, *default):
+      if rid in self and rid not in finished:
+        early.append(rid)
+      return super().pop(rid, *default)
+
+  init, observe = sv.SpeculativeVerification.init_state, sv.SpeculativeVerification.observe
+  monkeypatch.setattr(sv.SpeculativeVerification, "init_state", lambda self, rt: dataclasses.replace(
+      init(self, rt), tables=Tables()))
+  monkeypatch.setattr(sv.SpeculativeVerification, "observe", lambda self, state, result: (
+      finished.update(result.finished), observe(self, state, result))[1])
+  requests = [Request(f"s{i}", (7 + i, 21, 3, 30, 12, 44), SamplingParams(
+      temperature=0.8, top_p=0.9, seed=10 + i, max_tokens=24)) for i in range(4)]
+  full, full_m = make_engine(_sv(MID, companion)).generate(requests)
+  tight, tight_m = make_engine(_sv(MID, companion),
+                               config=ENGINE_CONFIG.replace(num_pages=6)).generate(requests)
+  assert full_m.num_preemptions == 0 and tight_m.num_preemptions > 0
+  assert early == []  # no table dropped before its request finished
+  assert [o.output_token_ids for o in tight] == [o.output_token_ids for o in full]
+
+
+def test_sv_propose_keeps_the_table_of_a_request_back_from_preemption(companion):
+  """The drafter sees a preempted request as new again (``ProposeContext.new_requests``);
+  SV restarts its companion KV for it but keeps its calibration table."""
+  from e2e_lib import ScriptedDrafter  # noqa: PLC0415
+
+  from methods import sv  # noqa: PLC0415
+  from specjax.method import Draft, ProposeContext  # noqa: PLC0415
+
+  class NoDrafts(ScriptedDrafter):
+    def propose(self, state, context):
+      rows = len(context.request_ids)
+      return state, Draft(np.full((rows, K), -1, np.int32), np.zeros(rows, np.int32))
+
+  method = make_method("sv", K, companion_model=companion, cost_model=MID,
+                       drafter=NoDrafts(k=K))
+  table = np.ones((2, method.num_bins))
+  state = sv._State(None, None, None, {"r": 9}, MID, np.zeros((2, method.num_bins)),
+                    {"r": table}, {}, "reference")
+  ctx = ProposeContext(request_ids=["r"], token_ids=[np.arange(5, dtype=np.int32)],
+                       budgets=np.array([K], np.int32), page_indices=np.zeros((1, 4), np.int32),
+                       temperature=np.ones(1, np.float32), top_k=np.zeros(1, np.int32),
+                       top_p=np.ones(1, np.float32), keys=np.zeros((1, 2), np.uint32),
+                       new_requests=frozenset({"r"}))
+  state, draft = method.propose(state, ctx)
+  assert state.written["r"] == 0  # its companion KV is rebuilt
+  assert state.tables["r"] is table  # its calibration is kept
+  assert int(np.asarray(draft.num_tokens)[0]) == 0
