@@ -331,6 +331,22 @@ for step in "$@"; do
           --repeats=${E3_REPEATS:-1} --noplots --device_profile ${item#*=} \
           --output_dir="$OUT/e3var_$name"
       done ;;
+    eagle3_compare)  # several EAGLE-3 configurations against one AR run (labelled methods):
+      # E3_CONFIGS lists LABEL:K:NODES:BRANCHING[:VOCAB] (NODES 0 = a chain of K drafts);
+      # E3_HEAD_OPTS ("KEY=VALUE ...") go to every one, e.g. matmul_precision=default
+      methods=ar; opts=()
+      for cfg in ${E3_CONFIGS:-c3:3:0:4:v16384 t342:3:4:2:v16384 t484:4:8:4:v16384}; do
+        IFS=: read -r label k n b v <<< "$cfg"
+        head=${EAGLE3_HEAD:-smollm2-135m-eagle3}
+        [ -n "$v" ] && head=$SPECJAX_CACHE/heads/smollm2-135m-eagle3-$v
+        m=eagle3@$label; methods=$methods,$m
+        opts+=("--method_option=$m.head_path=$head" "--method_option=$m.k=$k"
+               "--method_option=$m.tree_nodes=$n" "--method_option=$m.tree_branching=$b")
+        for kv in ${E3_HEAD_OPTS:-}; do opts+=("--method_option=$m.$kv"); done
+      done
+      run e3compare evaluate --target=smollm2-135m --methods=$methods "${opts[@]}" \
+        --categories=mt_bench --num_prompts=${E3_PROMPTS:-16} --batch_sizes=1 \
+        --repeats=${E3_REPEATS:-3} --noplots ${E3_ARGS:-} --output_dir="$OUT/e3compare" ;;
     eagle3_agreement)  # that head's offline agreement on the same prompts (what greedy SD
       # can accept: methods.training.agreement), at the evaluation's precision and JAX's default
       for p in highest default; do

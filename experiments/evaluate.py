@@ -36,11 +36,15 @@ _TARGET = flags.DEFINE_string(
     "directory.")
 _DRAFT = flags.DEFINE_string(
     "draft", None, "Draft model for draft_model (same tokenizer as the target); none = no draft.")
-_METHODS = flags.DEFINE_list("methods", ["ar", "ngram"], "SD methods; 'ar' always runs.")
+_METHODS = flags.DEFINE_list("methods", ["ar", "ngram"], "SD methods; 'ar' always runs. "
+                             "NAME@LABEL runs a labelled configuration of NAME (its own "
+                             "--method_option=NAME@LABEL.OPTION=VALUE; LABEL without '.'), "
+                             "e.g. eagle3@chain,eagle3@tree against one AR run.")
 _METHOD_OPTION = flags.DEFINE_multi_string(
     "method_option", [],
     "METHOD.OPTION=VALUE for a method's config (repeatable), e.g. eagle.head_path=heads/e1 or "
-    "ngram.n_max=3; VALUE is read as JSON when it parses (3, [30] as a tuple, true), else as a string.")
+    "ngram.n_max=3; VALUE is read as JSON when it parses (3, [30] as a tuple, true), else as a string. "
+    "OPTION k sets that method's draft length (default --num_speculative_tokens).")
 _DATASET = flags.DEFINE_enum(
     "dataset", "spec_bench", [*DATASETS, RANDOM_DATASET],
     "Prompt set; 'random': --input_len random token ids per prompt (seeded by --seed).")

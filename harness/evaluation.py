@@ -85,6 +85,7 @@ __all__ = [
     "first_divergence",
     "category_table",
     "load_model",
+    "method_base",
     "run_evaluation",
     "run_summary",
     "summary_table",
@@ -121,9 +122,13 @@ class EvalConfig:
       A ``random:<shape>`` target (random weights, no tokenizer) needs
       ``dataset="random"``.
     draft: draft model for methods that need one (same tokenizer), or None.
-    methods: method names (``methods.registry``); ``"ar"`` is added first if absent.
-    method_options: per method name, keyword options for its config, e.g.
-      ``{"eagle": {"head_path": "heads/eagle"}}`` (passed to ``make_method``).
+    methods: method names (``methods.registry``); ``"ar"`` is added first if absent. A
+      name may carry a label, ``NAME@LABEL`` (e.g. ``eagle3@tree``), so one run compares
+      several configurations of one method against one AR run; each label is its own
+      method (own options, own result rows).
+    method_options: per method name (with its label), keyword options for its config,
+      e.g. ``{"eagle": {"head_path": "heads/eagle"}}`` (passed to ``make_method``); ``k``
+      sets that method's draft length in place of ``num_speculative_tokens``.
     dataset: a ``specjax.workloads.DATASETS`` name, or ``"random"``
       (``RANDOM_DATASET``): ``num_prompts`` prompts of ``input_len`` random token ids
       in ``[0, V)`` of the target's vocabulary (``random_prompts``, seeded by ``seed``).
@@ -280,9 +285,15 @@ class EvalConfig:
     if self.layer_execution not in LAYER_EXECUTIONS:
       raise ValueError(f"layer_execution={self.layer_execution!r} must be one of "
                        f"{LAYER_EXECUTIONS}")
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if method_base(m) not in METHODS]
     if unknown:
-      raise ValueError(f"methods {unknown} are unknown; known methods: {sorted(METHODS)}")
+      raise ValueError(f"methods {unknown} are unknown; known methods: {sorted(METHODS)} "
+                       "(each optionally NAME@LABEL)")
+    bad = [m for m in methods if "@" in m and (not m.split("@", 1)[1] or "." in m
+                                               or method_base(m) == "ar")]
+    if bad:
+      raise ValueError(f"methods {bad}: a label is NAME@LABEL with a non-empty LABEL "
+                       "without '.', and 'ar' takes none")
     if self.verify_implementation not in (None, "auto"):
       _check_verify_implementation(self.verify_implementation)
     if self.dataset == RANDOM_DATASET:
@@ -326,15 +337,29 @@ def _check_verify_implementation(value) -> None:
                      f"{jax.default_backend()!r}); add 'reference' or leave it unset")
 
 
+def method_base(name: str) -> str:
+  """The registry name of a method name with an optional label: ``"eagle3@tree"`` ->
+  ``"eagle3"``."""
+  return name.split("@", 1)[0]
+
+
 def _make_method(name: str, k: int, options: Mapping[str, Any]):
-  allowed = sorted(p for p in inspect.signature(METHODS[name]).parameters
-                   if p not in ("self", "k")) if name in METHODS else []
+  """The method ``name`` (``NAME[@LABEL]``) with ``options``; an option ``k`` overrides
+  ``num_speculative_tokens`` for it."""
+  base = method_base(name)
+  options = dict(options)
+  if "k" in options:
+    k = options.pop("k")
+    if not isinstance(k, int) or isinstance(k, bool):
+      raise ValueError(f"method_options for {name!r}: k={k!r} must be an int")
+  allowed = sorted(p for p in inspect.signature(METHODS[base]).parameters
+                   if p not in ("self", "k")) if base in METHODS else []
   unknown = sorted(set(options) - set(allowed))
-  if name in METHODS and unknown:  # k comes from num_speculative_tokens
+  if base in METHODS and unknown:  # k comes from num_speculative_tokens
     raise ValueError(f"method_options for {name!r} ({dict(options)}) are not all options "
                      f"of that method ({unknown} unknown); its options: {allowed}")
   try:
-    return make_method(name, k, **options)
+    return make_method(base, k, **options)
   except TypeError as e:  # e.g. a string where a number is compared
     raise ValueError(f"method_options for {name!r} ({dict(options)}): a value has the wrong "
                      f"type ({e})") from e

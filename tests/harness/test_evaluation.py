@@ -219,6 +219,30 @@ def test_real_smollm2_ngram_lossless():
   assert (df.num_output_tokens > 0).all()
 
 
+def test_labelled_method_variants_share_one_ar_run(tiny_models):
+  """``NAME@LABEL`` methods: configurations of one method side by side, each with its
+  own options and rows, against one AR run."""
+  cfg = EvalConfig(target="tiny-target", methods=("ngram@n1", "ngram@n3"),
+                   method_options={"ngram@n1": {"n_min": 1, "n_max": 1, "k": 2},
+                                   "ngram@n3": {"n_min": 3, "n_max": 3}},
+                   num_prompts=3, batch_sizes=(1,), num_speculative_tokens=3,
+                   max_new_tokens=8, repeats=1, warmup=False, plots=False)
+  with jax.default_matmul_precision("highest"):
+    df = run_evaluation(cfg, progress=False, verbose=False)
+  assert df.method.tolist() == ["ar", "ngram@n1", "ngram@n3"]
+  configs = {m: json.loads(c) for m, c in zip(df.method, df.method_config)}
+  assert configs["ngram@n1"]["n_max"] == 1 and configs["ngram@n3"]["n_max"] == 3
+  assert configs["ngram@n1"]["k"] == 2 and configs["ngram@n3"]["k"] == 3  # per-method k
+  assert df[df.method != "ar"].lossless.tolist() == [True, True]
+  assert evaluation.method_base("ngram@n1") == "ngram"
+  for bad, match in (("ngram@", "non-empty LABEL"), ("ar@x", "'ar' takes none"),
+                     ("ngram@a.b", "without '.'"), ("nope@x", "unknown")):
+    with pytest.raises(ValueError, match=match):
+      EvalConfig(target="tiny-target", methods=(bad,))
+  with pytest.raises(ValueError, match="k='2' must be an int"):
+    evaluation._make_method("ngram@s", 3, {"k": "2"})
+
+
 def test_device_profile_sets_device_columns_and_ops(monkeypatch, tmp_path):
   """The profiled pass's arithmetic: device busy time less the prefill wall time per
   engine step, c_device against AR's, one ops CSV per method (the trace parsing itself
