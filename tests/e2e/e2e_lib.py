@@ -31,9 +31,9 @@ from specjax.steps import SplitModel, split_model
 from specjax.tree import chain_parents
 
 __all__ = [
-    "ALPHABET", "ENGINE_CONFIG", "K", "MAX_MODEL_LEN", "PAGE_SIZE", "ChainAsTree",
-    "ScriptedDrafter", "ScriptedTreeDrafter", "TableDrafter", "VOCAB", "build_model", "check_counters",
-    "decode", "expected_counts", "full_logits", "top_k_joint", "greedy_reference", "make_requests",
+    "ALPHABET", "DIST_PROMPT", "DIST_TEMPERATURE", "DIST_TOP_K", "ENGINE_CONFIG", "K", "MAX_MODEL_LEN", "PAGE_SIZE", "ChainAsTree",
+    "ScriptedDrafter", "ScriptedTreeDrafter", "TableDrafter", "VOCAB", "assert_target_law", "build_model", "check_counters",
+    "decode", "expected_counts", "full_logits", "top_k_joint", "greedy_reference", "law_requests", "make_requests",
     "model_config", "scripted_drafter", "scripted_tree", "walk_tree",
 ]
 
@@ -169,6 +169,42 @@ def top_k_joint(model: SplitModel, prompt, temperature: float, top_k: int,
     joint = {(*c, int(t)): joint[c] * row[t] for c, row in zip(prefixes, rows)
              for t in np.flatnonzero(row)}
   return joint
+
+
+# The distribution tests' defaults: a short prompt, temperature 1.5 then top-3.
+DIST_PROMPT = (7, 21, 3, 30, 12)
+DIST_TEMPERATURE, DIST_TOP_K = 1.5, 3
+
+
+def law_requests(num_samples: int, num_tokens: int, prompt=DIST_PROMPT, *, prefix: str = "d",
+                 temperature: float = DIST_TEMPERATURE, top_k: int = DIST_TOP_K) -> list:
+  """``num_samples`` requests for ``num_tokens`` sampled tokens after ``prompt``, seeds
+  0 .. n-1 (ids ``{prefix}{i}``)."""
+  return [Request(f"{prefix}{i}", tuple(prompt), SamplingParams(
+      temperature=temperature, top_k=top_k, seed=i, max_tokens=num_tokens))
+      for i in range(num_samples)]
+
+
+def assert_target_law(model: SplitModel, outputs, num_tokens: int, prompt=DIST_PROMPT, *,
+                      temperature: float = DIST_TEMPERATURE, top_k: int = DIST_TOP_K,
+                      p_threshold: float = 1e-3) -> None:
+  """The first ``num_tokens`` tokens of ``outputs`` (one per request of ``law_requests``)
+  follow the target's exact joint law (``top_k_joint``): none outside its support, and a
+  chi-square goodness-of-fit p-value above ``p_threshold`` (``chi_square_pvalue``)."""
+  from models.testing import chi_square_pvalue  # noqa: PLC0415
+
+  expected = top_k_joint(model, prompt, temperature, top_k, num_tokens)
+  cells = sorted(expected)
+  index = {cell: i for i, cell in enumerate(cells)}
+  counts = np.zeros(len(cells))
+  for o in outputs:
+    cell = tuple(o.output_token_ids[:num_tokens])
+    assert cell in index, cell  # nothing outside the target's top-k support
+    counts[index[cell]] += 1
+  probs = np.array([expected[cell] for cell in cells])
+  assert abs(probs.sum() - 1.0) < 1e-5
+  p_value = chi_square_pvalue(counts, probs, len(outputs))
+  assert p_value > p_threshold, (p_value, counts, probs * len(outputs))
 
 
 def greedy_reference(model: SplitModel, requests, eos_ids=()) -> list[list[int]]:

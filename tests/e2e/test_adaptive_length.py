@@ -11,13 +11,20 @@ import dataclasses
 
 import numpy as np
 import pytest
-from e2e_lib import K, build_model, check_counters, full_logits, make_requests, model_config
+from e2e_lib import (
+    K,
+    assert_target_law,
+    build_model,
+    check_counters,
+    law_requests,
+    make_requests,
+    model_config,
+)
 
 from methods.goodput import StepCostModel, update_position_ema
 from methods.registry import make_method
 from methods.sv import choose_gamma, overlap_features
 from methods.turbospec import plan_lengths
-from models.testing import chi_square_pvalue
 from specjax.config import SamplingParams
 from specjax.request import Request
 
@@ -155,16 +162,7 @@ def test_seeded_partner_independence(make_engine, companion, which):
 
 
 # ---------------------------------------------------------------- lossless under sampling
-DIST_PROMPT = (7, 21, 3, 30, 12)
-TEMPERATURE, TOP_K, NUM_SAMPLES = 1.5, 3, 1024
-
-
-def _probs(logits):
-  z = logits / TEMPERATURE
-  kth = np.sort(z, axis=-1)[..., -TOP_K][..., None]
-  z = np.where(z >= kth, z, -np.inf)
-  e = np.exp(z - z.max(-1, keepdims=True))
-  return e / e.sum(-1, keepdims=True)
+NUM_SAMPLES = 1024
 
 
 @pytest.mark.slow
@@ -175,23 +173,12 @@ def test_two_token_distribution_matches_target(make_engine, target, companion, w
   method = {"sv": lambda: _sv(MID, companion),
             "svip": lambda: make_method("svip", K, h=0.62),
             "turbospec": lambda: make_method("turbospec", K, cost_model=MID)}[which]()
-  requests = [Request(f"d{i}", DIST_PROMPT, SamplingParams(temperature=TEMPERATURE,
-                                                           top_k=TOP_K, seed=i, max_tokens=3))
-              for i in range(NUM_SAMPLES)]
-  outputs, metrics = make_engine(method).generate(requests)
+  outputs, metrics = make_engine(method).generate(law_requests(NUM_SAMPLES, 3))
   check_counters(metrics, outputs, K)
   accepted = sum(s.num_accepted for s in metrics.steps)
   drafted = sum(s.num_draft_tokens for s in metrics.steps)
   assert 0 < accepted < drafted
-  p1 = _probs(full_logits(target, [list(DIST_PROMPT)])[0])
-  expected = p1[:, None] * _probs(full_logits(target, [[*DIST_PROMPT, x] for x in range(len(p1))]))
-  counts = np.zeros_like(expected)
-  for o in outputs:
-    counts[tuple(o.output_token_ids[:2])] += 1
-  support = expected > 0
-  assert counts[~support].sum() == 0
-  p_value = chi_square_pvalue(counts[support], expected[support], NUM_SAMPLES)
-  assert p_value > 1e-3, (p_value, counts[support], expected[support] * NUM_SAMPLES)
+  assert_target_law(target, outputs, 2)
 
 
 @pytest.mark.slow

@@ -12,19 +12,20 @@ import dataclasses
 import numpy as np
 import pytest
 from e2e_lib import (
+    DIST_PROMPT,
     ENGINE_CONFIG,
     K,
     TableDrafter,
+    assert_target_law,
     check_counters,
     full_logits,
+    law_requests,
     make_requests,
-    top_k_joint,
 )
 from e2e_lib import scripted_drafter as make_scripted
 
 from methods.hsddw import HSDDW, HSDDWState, updated_threshold
 from methods.registry import make_method
-from models.testing import chi_square_pvalue
 from specjax.config import SamplingParams
 from specjax.engine import Engine
 from specjax.method import VerifyResult
@@ -166,36 +167,21 @@ def test_seeded_request_ignores_partners(make_engine):
 
 
 # ---------------------------------------------------------------- distribution
-DIST_PROMPT = (7, 21, 3, 30, 12)
-TEMPERATURE, TOP_K = 1.5, 3
 NUM_SAMPLES = 1024
 
 
 @pytest.mark.slow  # 53 s alone on the 2-core CPU (CI budget)
 def test_three_token_distribution_matches_target(make_engine, target):
   """Three sampled tokens per request (step 1 drafts 2: M1's 2 tokens screened by M2)."""
-  expected = top_k_joint(target, DIST_PROMPT, TEMPERATURE, TOP_K, 3)
   p1 = full_logits(target, [list(DIST_PROMPT)])[0]
   g1 = int(np.argmax(p1))
   g2 = int(np.argmax(full_logits(target, [[*DIST_PROMPT, g1]])[0]))
   table = ((DIST_PROMPT, (g1, g2)),)
   method = HSDDW(k=K, m1=TableDrafter(table=table), initial_threshold=10.0)
-  requests = [Request(f"d{i}", DIST_PROMPT, SamplingParams(
-      temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=3)) for i in range(NUM_SAMPLES)]
-  outputs, metrics, state = _run(make_engine(method), requests)
+  outputs, metrics, state = _run(make_engine(method), law_requests(NUM_SAMPLES, 3))
   _check_hsddw_counters(metrics, outputs, state)
   c = state.counters
   assert 0 < c["m1_accepted"] < c["m1_proposed"]  # M2 kept some M1 tokens, corrected others
   accepted = sum(s.num_accepted for s in metrics.steps)
   assert 0 < accepted < sum(s.num_draft_tokens for s in metrics.steps)
-  cells = sorted(expected)
-  counts = np.zeros(len(cells))
-  index = {cell: i for i, cell in enumerate(cells)}
-  for o in outputs:
-    cell = tuple(o.output_token_ids)
-    assert cell in index, cell  # nothing outside the target's top-k support
-    counts[index[cell]] += 1
-  probs = np.array([expected[cell] for cell in cells])
-  assert probs.sum() == pytest.approx(1.0, abs=1e-5)
-  p_value = chi_square_pvalue(counts, probs, NUM_SAMPLES)
-  assert p_value > 1e-3, (p_value, counts, probs * NUM_SAMPLES)
+  assert_target_law(target, outputs, 3)

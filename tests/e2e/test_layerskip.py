@@ -12,20 +12,23 @@ import csv
 import numpy as np
 import pytest
 from e2e_lib import (
+    DIST_TEMPERATURE,
+    DIST_TOP_K,
     MAX_MODEL_LEN,
     VOCAB,
     K,
+    assert_target_law,
     check_counters,
     expected_counts,
-    full_logits,
+    law_requests,
     make_requests,
 )
 from flax import nnx
 from test_scripted_counts import (  # noqa: F401  (continuation is a fixture)
-    PROMPT,
-    _check_same_as_ar,
-    _stop_requests,
-    continuation,
+  PROMPT,
+  _check_same_as_ar,
+  _stop_requests,
+  continuation,
 )
 
 from methods.layerskip import LayerSkip
@@ -33,7 +36,6 @@ from methods.registry import make_method
 from methods.training.data import TokenDataset
 from methods.training.trainer import TrainConfig, _evaluate, _pad_width, train
 from models.heads import make_head
-from models.testing import chi_square_pvalue
 from specjax.config import SamplingParams
 from specjax.metrics import summarize
 from specjax.request import Request
@@ -175,50 +177,27 @@ def test_adapter_training_lowers_loss_and_raises_top1(make_engine, reference, ta
 
 
 # ---------------------------------------------------------------- sampling (lossless)
-DIST_PROMPT = (7, 21, 3, 30, 12)
-TEMPERATURE, TOP_K = 1.5, 3
 NUM_SAMPLES = 1024
-P_THRESHOLD = 1e-3
-
-
-def _probs(logits):
-  z = logits / TEMPERATURE
-  kth = np.sort(z, axis=-1)[..., -TOP_K][..., None]
-  z = np.where(z >= kth, z, -np.inf)
-  e = np.exp(z - z.max(-1, keepdims=True))
-  return e / e.sum(-1, keepdims=True)
 
 
 def test_two_token_distribution_matches_target(make_engine, target):
   """Drafts sampled from the early-exit distribution q (passed to the verifier): the
   first two output tokens follow the target's distribution (temperature + top-k)."""
-  requests = [Request(f"d{i}", DIST_PROMPT,
-                      SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=2))
-              for i in range(NUM_SAMPLES)]
-  outputs, metrics = make_engine(_layerskip(1)).generate(requests)
+  outputs, metrics = make_engine(_layerskip(1)).generate(law_requests(NUM_SAMPLES, 2))
   check_counters(metrics, outputs, K)
   accepted = sum(s.num_accepted for s in metrics.steps)
   drafted = sum(s.num_draft_tokens for s in metrics.steps)
   assert 0 < accepted < drafted  # both acceptance and rejection paths ran
-  p1 = _probs(full_logits(target, [list(DIST_PROMPT)])[0])
-  p2 = _probs(full_logits(target, [[*DIST_PROMPT, x] for x in range(len(p1))]))
-  expected = p1[:, None] * p2
-  counts = np.zeros_like(expected)
-  for o in outputs:
-    counts[tuple(o.output_token_ids)] += 1
-  support = expected > 0
-  assert counts[~support].sum() == 0
-  p_value = chi_square_pvalue(counts[support], expected[support], NUM_SAMPLES)
-  assert p_value > P_THRESHOLD, (p_value, counts[support], expected[support] * NUM_SAMPLES)
+  assert_target_law(target, outputs, 2)
 
 
 @pytest.mark.slow  # ~85 s on 2 busy CPU cores: new sampled draft/verify shapes compile
 def test_seeded_request_ignores_batch_partners(make_engine):
   # The distribution test's sampling settings (and batch bucket 8): no new sampler compiles.
-  params = dict(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=12)
+  params = dict(temperature=DIST_TEMPERATURE, top_k=DIST_TOP_K, max_tokens=12)
   seeded = Request("seeded", (7, 21, 3, 30, 12, 44, 8), SamplingParams(seed=1234, **params))
   engine = make_engine(_layerskip(1))
-  partners = make_requests(31, 7, prefix="p", temperature=TEMPERATURE, top_k=TOP_K, seed=3)
+  partners = make_requests(31, 7, prefix="p", temperature=DIST_TEMPERATURE, top_k=DIST_TOP_K, seed=3)
   alone = engine.generate([seeded, *partners[:4]])[0]
   outputs, metrics = engine.generate([*partners[4:], seeded, *partners[:4]])
   by_id = {o.request_id: o for o in outputs}

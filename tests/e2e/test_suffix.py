@@ -10,18 +10,22 @@ response, so stops, EOS and length limits land inside accepted runs.
 import numpy as np
 import pytest
 from e2e_lib import (
+    DIST_TEMPERATURE,
+    DIST_TOP_K,
     ENGINE_CONFIG,
     MAX_MODEL_LEN,
     K,
+    assert_target_law,
     check_counters,
     decode,
     full_logits,
+    law_requests,
     make_requests,
+    top_k_joint,
 )
 
 from methods.registry import make_method
 from methods.suffix import SuffixDecoding
-from models.testing import chi_square_pvalue
 from specjax.config import SamplingParams
 from specjax.request import Request
 
@@ -195,24 +199,15 @@ def test_stops_inside_accepted_runs(make_engine, reference, device):
 
 
 # ---------------------------------------------------------------- G2
-TEMPERATURE, TOP_K = 1.5, 3
 NUM_SAMPLES = 768
-P_THRESHOLD = 1e-3
-
-
-def _probs(logits):
-  z = logits / TEMPERATURE
-  kth = np.sort(z, axis=-1)[..., -TOP_K][..., None]
-  z = np.where(z >= kth, z, -np.inf)
-  e = np.exp(z - z.max(-1, keepdims=True))
-  return e / e.sum(-1, keepdims=True)
 
 
 def _repeat_prompt(target):
   """``(7, 21, t, 7, 21)``: its local tree drafts t after "7 21"; t is the token the
   target finds most likely there, so the draft is sometimes accepted."""
   prompts = [(7, 21, t, 7, 21) for t in range(len(full_logits(target, [[7]])[0]))]
-  p = [_probs(row)[t] for t, row in enumerate(full_logits(target, [list(q) for q in prompts]))]
+  p = [top_k_joint(target, q, DIST_TEMPERATURE, DIST_TOP_K, 1).get((t,), 0.0)
+       for t, q in enumerate(prompts)]
   return prompts[int(np.argmax(p))]
 
 
@@ -222,24 +217,12 @@ def test_two_token_distribution_matches_target(make_engine, target, device):
   """Sampled suffix SD (one-hot q) keeps the target's joint law of the first two tokens
   (temperature + top-k), computed exactly from the uncached forward."""
   prompt = _repeat_prompt(target)
-  requests = [Request(f"d{i}", prompt,
-                      SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=2))
-              for i in range(NUM_SAMPLES)]
   outputs, metrics = make_engine(SuffixDecoding(k=K, max_cached_requests=0, device=device)
-                                 ).generate(requests)
+                                 ).generate(law_requests(NUM_SAMPLES, 2, prompt))
   check_counters(metrics, outputs, K)
   drafted, accepted = _totals(metrics)
   assert 0 < accepted < drafted  # both acceptance and rejection ran
-  p1 = _probs(full_logits(target, [list(prompt)])[0])
-  p2 = _probs(full_logits(target, [[*prompt, x] for x in range(len(p1))]))
-  expected = p1[:, None] * p2
-  counts = np.zeros_like(expected)
-  for o in outputs:
-    counts[tuple(o.output_token_ids)] += 1
-  support = expected > 0
-  assert counts[~support].sum() == 0
-  p_value = chi_square_pvalue(counts[support], expected[support], NUM_SAMPLES)
-  assert p_value > P_THRESHOLD, (p_value, counts[support], expected[support] * NUM_SAMPLES)
+  assert_target_law(target, outputs, 2, prompt)
 
 
 @pytest.mark.slow  # sampler compiles at several batch buckets

@@ -7,26 +7,25 @@ drafts are truncated.
 import numpy as np
 import pytest
 from e2e_lib import (
+    DIST_PROMPT,
     K,
     TableDrafter,
+    assert_target_law,
     check_counters,
     full_logits,
+    law_requests,
     make_requests,
     scripted_drafter,
-    top_k_joint,
 )
 
 from methods.registry import make_method
 from methods.verify_skip import (
-    LinearVerifyCost,
-    TableVerifyCost,
-    VerifySkip,
-    choose_cap,
-    length_buckets,
+  LinearVerifyCost,
+  TableVerifyCost,
+  VerifySkip,
+  choose_cap,
+  length_buckets,
 )
-from models.testing import chi_square_pvalue
-from specjax.config import SamplingParams
-from specjax.request import Request
 
 
 def cheap(batch, length):  # width nearly free
@@ -132,8 +131,6 @@ def test_expensive_width_verifies_shorter(make_engine, reference):
   assert max(s.query_bucket for s in metrics.steps) == 2
 
 
-DIST_PROMPT = (7, 21, 3, 30, 12)
-TEMPERATURE, TOP_K = 1.5, 3
 NUM_SAMPLES = 512
 
 
@@ -144,26 +141,14 @@ def middling(batch, length):
 
 @pytest.mark.slow  # 40 s alone on the 2-core CPU (CI budget)
 def test_three_token_distribution_with_truncation(make_engine, target):
-  expected = top_k_joint(target, DIST_PROMPT, TEMPERATURE, TOP_K, 3)
   g1 = int(np.argmax(full_logits(target, [list(DIST_PROMPT)])[0]))
   g2 = int(np.argmax(full_logits(target, [[*DIST_PROMPT, g1]])[0]))
   drafter = TableDrafter(table=((DIST_PROMPT, (g1, g2)),))  # deterministic: q one-hot
   method = VerifySkip(k=K, drafter=drafter, cost_model=middling)
-  requests = [Request(f"d{i}", DIST_PROMPT, SamplingParams(
-      temperature=TEMPERATURE, top_k=TOP_K, seed=i, max_tokens=3)) for i in range(NUM_SAMPLES)]
-  outputs, metrics, state = _run(make_engine(method), requests)
+  outputs, metrics, state = _run(make_engine(method), law_requests(NUM_SAMPLES, 3))
   check_counters(metrics, outputs, K)
   c = state.counters
   assert 0 < c["verified"] < c["drafted"] and 1 in c["caps"]  # truncation was active
   accepted = sum(s.num_accepted for s in metrics.steps)
   assert 0 < accepted < c["verified"]
-  cells = sorted(expected)
-  index = {cell: i for i, cell in enumerate(cells)}
-  counts = np.zeros(len(cells))
-  for o in outputs:
-    cell = tuple(o.output_token_ids)
-    assert cell in index, cell
-    counts[index[cell]] += 1
-  probs = np.array([expected[cell] for cell in cells])
-  p_value = chi_square_pvalue(counts, probs, NUM_SAMPLES)
-  assert p_value > 1e-3, (p_value, counts, probs * NUM_SAMPLES)
+  assert_target_law(target, outputs, 3)
