@@ -284,11 +284,16 @@ def full_forward(
 def chi_square_pvalue(counts, probs, n: int) -> float:
   """Chi-square goodness-of-fit p-value of ``counts`` against ``probs * n`` (1-D arrays
   over the same cells). Cells expecting < 5 counts are pooled with the next smallest
-  cells until the pool expects >= 5 (the usual validity rule of the test)."""
+  cells until the pool expects >= 5 (the usual validity rule of the test). ``probs``
+  must sum to 1 within 1e-4 (else ValueError) and are rescaled to sum to it exactly."""
   from scipy import stats  # noqa: PLC0415
 
-  expected = np.asarray(probs) * n
   counts = np.asarray(counts)
+  probs = np.asarray(probs, np.float64)
+  total = probs.sum()
+  if abs(total - 1.0) > 1e-4:
+    raise ValueError(f"probs sum to {total}, not 1")
+  expected = probs / total * n  # f32 sums drift by ~1e-7; scipy checks sums to ~1e-8
   order = np.argsort(expected)
   pool = 0
   while pool < len(order) and expected[order[: pool + 1]].sum() < 5:
