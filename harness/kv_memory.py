@@ -110,7 +110,7 @@ def method_memory(method: Method, target: ModelConfig, draft: ModelConfig | None
     per_token["device_features"] = (len(caps.target_hidden_layers) * target.hidden_size
                                     * dtype_bytes(dtype or target.dtype))
   elif caps.target_hidden_layers:
-    window = int(config.get("window", 1))
+    window = int(getattr(method, "drafting_window", None) or config.get("window") or 1)
     per_seq["host_features"] = (window * len(caps.target_hidden_layers) * target.hidden_size
                                 * 4)
   if "max_depth" in config:

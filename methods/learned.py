@@ -354,6 +354,13 @@ class LearnedHeadMethod(Method):
   def num_speculative_tokens(self) -> int:
     return self.tree_nodes or self.k
 
+  @property
+  def drafting_window(self) -> int:
+    """Positions the head attends to while drafting: ``window``, else the head's own."""
+    if self.window is not None:
+      return self.window
+    return self._saved_config().window if self.head_path is not None else 64
+
   def capabilities(self) -> Capabilities:
     layers = (self._saved_config().feature_layers if self.head_path is not None
               else self.feature_layers)
@@ -370,7 +377,7 @@ class LearnedHeadMethod(Method):
     """Config of the random head built when ``head_path`` is None."""
     extra = {"num_modules": self.k} if self.kind in ("mtp", "medusa") else {}
     return HeadConfig.for_target(self.kind, target_config, feature_layers=self.feature_layers,
-                                 window=self.window or 64, **extra)
+                                 window=self.drafting_window, **extra)
 
   def build_head(self, runtime) -> nnx.Module:
     """The head module (loaded, or random). Tests override this to plug in oracles.
