@@ -63,7 +63,7 @@ from pallas_kernels.small_matmul import implementations_used as small_matmul_bac
 from pallas_kernels.verify import implementations_used as verify_implementations_used
 from specjax import sharding
 from specjax.compile_cache import enable_compilation_cache
-from specjax.config import EngineConfig, SamplingParams
+from specjax.config import MATMUL_PRECISIONS, EngineConfig, SamplingParams
 from specjax.engine import Engine, bucket
 from specjax.metrics import compile_affected, summarize
 from specjax.request import Request
@@ -95,8 +95,6 @@ __all__ = [
 LAYER_EXECUTIONS = ("unrolled", "scan")
 # Peers run beside specjax on the same prompt ids (``EvalConfig.peer``).
 PEERS = (None, "hf")
-# Values ``jax.default_matmul_precision`` accepts.
-MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
 
 # Printed summary: result column -> header.
 SUMMARY_COLUMNS = {

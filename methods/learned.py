@@ -53,6 +53,7 @@ from flax import nnx
 
 from methods.draft_model import entropy_nats
 from models.heads import HeadConfig, load_head, make_head
+from specjax.config import MATMUL_PRECISIONS
 from specjax.method import (
     Capabilities,
     DeviceDraft,
@@ -69,10 +70,7 @@ from specjax.sampling import (
   sample_from_probs,
 )
 
-# Values the head's ``matmul_precision`` takes (``jax.default_matmul_precision``'s).
-HEAD_MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
-
-__all__ = ["HEAD_MATMUL_PRECISIONS", "FeaturePool", "HeadParams", "LearnedHeadMethod", "feature_window",
+__all__ = ["FeaturePool", "HeadParams", "LearnedHeadMethod", "feature_window",
            "head_draft_step", "head_tree_step", "write_features"]
 
 
@@ -276,7 +274,7 @@ class LearnedHeadMethod(Method):
     stop_entropy: None, or (chains only; SVIP, ``methods.svip``) a row stops after the
       first draft whose untempered head distribution has entropy above this many nats.
     matmul_precision: None drafts at the run's ``jax.default_matmul_precision``; else one
-      of ``HEAD_MATMUL_PRECISIONS`` for the head's own matmuls (the target's verify keeps
+      of ``MATMUL_PRECISIONS`` for the head's own matmuls (the target's verify keeps
       the run's). Drafts only decide what is accepted, never what is committed, so a
       lower precision keeps every method lossless (vLLM and SGLang run drafters in the
       model's dtype).
@@ -308,9 +306,9 @@ class LearnedHeadMethod(Method):
       raise ValueError(f"num_speculative_tokens k={self.k} must be >= 1")
     if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
       raise ValueError(f"window={self.window!r} must be None (the head's) or an int >= 1")
-    if self.matmul_precision is not None and self.matmul_precision not in HEAD_MATMUL_PRECISIONS:
+    if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
       raise ValueError(f"matmul_precision={self.matmul_precision!r} must be None (the run's) "
-                       f"or one of {HEAD_MATMUL_PRECISIONS}")
+                       f"or one of {MATMUL_PRECISIONS}")
     if self.tree_nodes < 0:
       raise ValueError(f"tree_nodes={self.tree_nodes} must be >= 0 (0 drafts a chain)")
     if self.tree_branching < 1:

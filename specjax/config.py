@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-__all__ = ["AUTO_VERIFY_IMPLEMENTATION", "SAMPLING_EPS", "SamplingParams", "EngineConfig"]
+__all__ = ["AUTO_VERIFY_IMPLEMENTATION", "MATMUL_PRECISIONS", "SAMPLING_EPS", "SamplingParams", "EngineConfig"]
 
 # Temperatures below this are greedy (argmax), as vLLM's ``_SAMPLING_EPS``: softmax(z / t)
 # is then one-hot in f32 for any logit gap that matters, and dividing by smaller t only
@@ -15,6 +15,8 @@ __all__ = ["AUTO_VERIFY_IMPLEMENTATION", "SAMPLING_EPS", "SamplingParams", "Engi
 # Every sampler and drafter decides greediness by this one rule (``SamplingParams.greedy``,
 # ``specjax.sampling.is_greedy``).
 SAMPLING_EPS = 1e-5
+# Values ``jax.default_matmul_precision`` accepts.
+MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
 _F32_MAX = 3.4028234663852886e38
 
 
