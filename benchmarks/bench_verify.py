@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pandas as pd
-from absl import app, flags
+from absl import flags
 
+from harness import cli
 from pallas_kernels.verify import IMPLEMENTATIONS
 from specjax.verify import fused_rejection_sample, rejection_sample
 
@@ -79,4 +80,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

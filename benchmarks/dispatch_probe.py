@@ -20,7 +20,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
+
+from harness import cli
 
 __all__ = ["probe"]
 
@@ -80,4 +82,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

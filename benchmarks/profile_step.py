@@ -15,9 +15,10 @@ import tempfile
 import time
 
 import jax
-from absl import app, flags
+from absl import flags
 
 from benchmarks.step_cost import StepBenchConfig, _Runner
+from harness import cli
 from harness.device_time import top_ops
 from models.shapes import SHAPES
 
@@ -67,4 +68,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

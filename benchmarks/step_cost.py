@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
+from harness.roofline import step_read_bytes
 from models.config import ModelConfig
 from models.shapes import SHAPES
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
@@ -63,20 +64,6 @@ def copy_bandwidth(num_bytes: int = 4 << 30, reps: int = 10) -> float:
     copy(x).block_until_ready()
     times.append(time.perf_counter() - t)
   return 2 * num_bytes / float(np.median(times))
-
-
-def _param_bytes(cfg: ModelConfig, batch: int) -> int:
-  """Bytes of weights one step reads (embedding rows are gathered, not streamed)."""
-  d, f, n, k, h, v = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.head_dim, cfg.vocab_size)
-  per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f + 2 * d
-  itemsize = 2 if cfg.dtype == "bfloat16" else 4
-  return itemsize * (cfg.num_layers * per_layer + d * v + d + batch * d)
-
-
-def _kv_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
-  itemsize = 2 if cfg.dtype == "bfloat16" else 4
-  return itemsize * batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
 
 
 class _Runner:
@@ -216,7 +203,7 @@ def run_step_benchmark(cfg: StepBenchConfig, log=print) -> pd.DataFrame:
       t = runner.time_step(batch, context, 1)
       tp = runner.time_step_pipelined(batch, context, 1)
       ar[batch, context] = t, tp
-      floor = (_param_bytes(m, batch) + _kv_bytes(m, batch, context)) / bw
+      floor = step_read_bytes(m, batch, context) / bw
       rows.append(dict(base, kind="ar", batch=batch, context=context, L=0, step_ms=1e3 * t,
                        pipelined_ms=1e3 * tp, roofline_ms=1e3 * floor,
                        roofline_fraction=floor / t, pipelined_roofline_fraction=floor / tp,

@@ -16,8 +16,9 @@ import time
 
 import numpy as np
 import pandas as pd
-from absl import app, flags
+from absl import flags
 
+from harness import cli
 from methods.suffix import SuffixDecoding
 from specjax.method import ProposeContext, RuntimeInfo, VerifyResult
 
@@ -79,4 +80,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

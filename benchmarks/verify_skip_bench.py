@@ -9,7 +9,7 @@ shape (default the Llama-3.1-8B shape, bf16); ``new_tokens`` per request, prompt
 ``context`` random tokens. ``tokens_per_s`` = tokens / time of the measured run's
 steady (non-compiling) steps. Writes ``verify_skip_bench.csv`` under ``--output_dir``.
 
-  python -m benchmarks.verify_skip_bench --output_dir=$OUT   # --profile is engine_loop's, unused
+  python -m benchmarks.verify_skip_bench --output_dir=$OUT
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import time
 import jax
 import numpy as np
 import pandas as pd
-from absl import app, flags
+from absl import flags
 
-from benchmarks.engine_loop import ConstantDrafter
+from harness import cli
+from harness.synthetic import ConstantDrafter
 from methods.verify_skip import TableVerifyCost, VerifySkip
 from models.random_weights import random_transformer
 from models.shapes import SHAPES
@@ -105,13 +106,12 @@ def run(*, shape: str, dtype: str, batch_sizes, lengths, acceptance, context: in
   return df
 
 
-# engine_loop (imported for ConstantDrafter) defines dtype, batch_sizes, lengths,
-# new_tokens, layer_execution and output_dir; this binary reuses them with its defaults.
-FLAGS = flags.FLAGS
-for _name, _default in (("batch_sizes", ["1", "16", "64", "128"]), ("lengths", ["1", "2", "4"]),
-                        ("new_tokens", 48), ("layer_execution", "scan"),
-                        ("output_dir", "results/verify_skip_bench")):
-  FLAGS.set_default(_name, _default)
+_BATCH = flags.DEFINE_list("batch_sizes", ["1", "16", "64", "128"], "Batch sizes.")
+_L = flags.DEFINE_list("lengths", ["1", "2", "4"], "Fixed draft lengths k to compare (>= 1).")
+_NEW = flags.DEFINE_integer("new_tokens", 48, "Engine steps per request.", lower_bound=1)
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Model dtype.")
+_LAYERS = flags.DEFINE_enum("layer_execution", "scan", ["unrolled", "scan"], "Layers.")
+_OUT = flags.DEFINE_string("output_dir", "results/verify_skip_bench", "Where the CSV goes.")
 _SHAPE = flags.DEFINE_string("shape", "llama3-8b", f"One of {list(SHAPES)} (random weights).")
 _ACC = flags.DEFINE_list("acceptance", ["0.9", "0.75", "0.6", "0.45"],
                          "Synthetic per-position acceptance probabilities.")
@@ -121,16 +121,16 @@ _CTX = flags.DEFINE_integer("context", 128, "Prompt length (tokens).")
 def main(argv):
   del argv
   enable_compilation_cache()
-  lengths = [int(v) for v in FLAGS.lengths]
+  lengths = [int(v) for v in _L.value]
   if min(lengths) < 1:
     raise ValueError(f"lengths={lengths} must all be >= 1")
-  df = run(shape=_SHAPE.value, dtype=FLAGS.dtype, batch_sizes=[int(b) for b in FLAGS.batch_sizes],
+  df = run(shape=_SHAPE.value, dtype=_DTYPE.value, batch_sizes=[int(b) for b in _BATCH.value],
            lengths=lengths, acceptance=[float(a) for a in _ACC.value], context=_CTX.value,
-           new_tokens=FLAGS.new_tokens, layer_execution=FLAGS.layer_execution)
-  os.makedirs(FLAGS.output_dir, exist_ok=True)
-  df.to_csv(os.path.join(FLAGS.output_dir, "verify_skip_bench.csv"), index=False)
+           new_tokens=_NEW.value, layer_execution=_LAYERS.value)
+  os.makedirs(_OUT.value, exist_ok=True)
+  df.to_csv(os.path.join(_OUT.value, "verify_skip_bench.csv"), index=False)
   print(df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -122,7 +122,7 @@ def test_bad_replay_inputs_are_one_line_errors(target):
 
 @pytest.mark.slow
 def test_engine_loop_replays_a_trace_file(tmp_path):
-  from benchmarks.engine_loop import run_engine_loop  # noqa: PLC0415
+  from harness.engine_loop import run_engine_loop  # noqa: PLC0415
   from harness.traces import write_jsonl  # noqa: PLC0415
 
   records = _records(5, seed=9)
