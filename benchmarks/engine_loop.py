@@ -13,7 +13,6 @@ columns for the full layer count.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
 import jax
@@ -121,10 +120,7 @@ def _drafter_options(entries: list[str]) -> dict:
     key, sep, raw = entry.partition("=")
     if not (sep and key):
       raise ValueError(f"--drafter_option={entry!r} must look like KEY=VALUE")
-    try:
-      out[key] = json.loads(raw)
-    except json.JSONDecodeError:
-      out[key] = raw
+    out[key] = cli.option_value(raw)
   return out
 
 

@@ -13,18 +13,16 @@ always runs. Examples:
 
 from __future__ import annotations
 
-import json
-
 import jax
 from absl import app, flags
 
 from harness import cli
 from harness.evaluation import (
-    LAYER_EXECUTIONS,
-    MATMUL_PRECISIONS,
-    EvalConfig,
-    default_output_dir,
-    run_evaluation,
+  LAYER_EXECUTIONS,
+  MATMUL_PRECISIONS,
+  EvalConfig,
+  default_output_dir,
+  run_evaluation,
 )
 from models.layers import SMALL_F32_MATMULS, set_small_f32_matmul, small_f32_matmul
 from specjax.workloads import DATASETS, RANDOM_DATASET
@@ -144,13 +142,7 @@ def parse_method_options(entries: list[str]) -> dict[str, dict[str, object]]:
     method, dot, option = key.partition(".")
     if not (sep and dot and method and option):
       raise ValueError(f"--method_option={entry!r} must look like METHOD.OPTION=VALUE")
-    try:
-      value = json.loads(raw)
-    except json.JSONDecodeError:
-      value = raw
-    if isinstance(value, list):  # method configs are hashable (static jit arguments)
-      value = tuple(value)
-    out.setdefault(method, {})[option] = value
+    out.setdefault(method, {})[option] = cli.option_value(raw)
   return out
 
 

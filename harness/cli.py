@@ -12,14 +12,26 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 
 from absl import app, flags, logging
 
-__all__ = ["run"]
+__all__ = ["option_value", "run"]
 
 _HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "--helpfull", "--helpxml", "-?")
+
+
+def option_value(raw: str) -> object:
+  """The value of a ``KEY=VALUE`` option entry: ``raw`` read as JSON when it parses
+  (``"3"`` -> 3, ``"true"`` -> True, ``"[1, 2]"`` -> ``(1, 2)``: lists become tuples, so
+  method configs stay hashable static jit arguments), else the string itself."""
+  try:
+    value = json.loads(raw)
+  except json.JSONDecodeError:
+    return raw
+  return tuple(value) if isinstance(value, list) else value
 
 
 def _fail(message: str) -> None:
