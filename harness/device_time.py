@@ -11,7 +11,7 @@ import json
 import os
 import re
 
-__all__ = ["device_busy_seconds", "op_sources", "top_host_events", "top_ops"]
+__all__ = ["device_busy_seconds", "op_sources", "ops_table", "top_host_events", "top_ops"]
 
 
 def _track_events(trace_dir: str, host: bool = False) -> list[dict]:
@@ -74,6 +74,19 @@ def op_sources(trace_dir: str) -> dict[str, dict[str, str]]:
     if name not in out and ("hlo_module" in args or "hlo_op" in args):
       out[name] = {k: str(args.get(k, "")) for k in ("hlo_module", "hlo_op")}
   return out
+
+
+def ops_table(trace_dir: str, reps: int) -> list[dict]:
+  """Every device op of the newest trace, unfolded, most time first: one dict per op with
+  ``op``, ``ms_per_step``, ``calls_per_step`` (``top_ops(fold=False)``) and ``hlo_module``,
+  ``hlo_op`` (``op_sources``; "" where the trace has none): the rows of the ops CSVs that
+  ``experiments.evaluate --device_profile`` and ``benchmarks.engine_loop --top_ops`` write.
+  Raises as ``device_busy_seconds``."""
+  sources = op_sources(trace_dir)
+  return [dict(op=op, ms_per_step=ms, calls_per_step=calls,
+               hlo_module=sources.get(op, {}).get("hlo_module", ""),
+               hlo_op=sources.get(op, {}).get("hlo_op", ""))
+          for op, ms, calls in top_ops(trace_dir, reps, fold=False)]
 
 
 def top_host_events(trace_dir: str, reps: int) -> list[tuple[str, float, int]]:

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
-from harness.device_time import device_busy_seconds, op_sources, top_host_events, top_ops
+from harness.device_time import device_busy_seconds, ops_table, top_host_events, top_ops
 from harness.roofline import step_read_bytes
 from harness.synthetic import ConstantDrafter
 from harness.traces import parse_replay, read_jsonl, replay_requests
@@ -289,13 +289,8 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
                 log(f"  L={length} op {name}: {ms:.4f} ms/step, {calls} calls/step")
             if top and ops_dir:
               os.makedirs(ops_dir, exist_ok=True)
-              ops = pd.DataFrame(top_ops(d, reps, fold=False),
-                                 columns=["op", "ms_per_step", "calls_per_step"])
-              sources = op_sources(d)
-              for key in ("hlo_module", "hlo_op"):
-                ops[key] = [sources.get(op, {}).get(key, "") for op in ops["op"]]
-              ops.to_csv(os.path.join(ops_dir, f"ops_b{batch}_ctx{context}_L{length}.csv"),
-                         index=False)
+              pd.DataFrame(ops_table(d, reps)).to_csv(
+                  os.path.join(ops_dir, f"ops_b{batch}_ctx{context}_L{length}.csv"), index=False)
               host = top_host_events(d, reps)
               for name, ms, calls in host[:top]:
                 log(f"  L={length} host {name}: {ms:.4f} ms/step, {calls} calls/step")

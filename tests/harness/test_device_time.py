@@ -35,6 +35,11 @@ def test_busy_time_top_ops_and_sources(tmp_path):
       ("fusion_7", pytest.approx(0.01), 1), ("memcpy", pytest.approx(0.002), 0)]
   assert device_time.op_sources(trace) == {
       "fusion_7": {"hlo_module": "jit_step", "hlo_op": "fusion.7"}}
+  assert device_time.ops_table(trace, reps=2) == [
+      dict(op="fusion_7", ms_per_step=pytest.approx(0.01), calls_per_step=1,
+           hlo_module="jit_step", hlo_op="fusion.7"),
+      dict(op="memcpy", ms_per_step=pytest.approx(0.002), calls_per_step=0, hlo_module="",
+           hlo_op="")]
 
 
 HLO = """HloModule jit_step, entry_computation_layout={()->f32[8]}
