@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import inspect
 import json
 import math
 import os
@@ -55,7 +54,7 @@ from harness.kv_memory import method_kv_bytes_per_token
 from harness.reconcile import speedups
 from harness.stats import aggregate, format_mean_std
 from harness.traces import parse_replay, read_jsonl, replay_requests
-from methods.registry import METHODS, make_method
+from methods.registry import METHODS, make_method, method_options
 from models.layers import small_f32_matmul
 from models.zoo import is_random_name
 from pallas_kernels.paged_attention import implementations_used, resolve_implementation
@@ -350,8 +349,7 @@ def _make_method(name: str, k: int, options: Mapping[str, Any]):
     k = options.pop("k")
     if not isinstance(k, int) or isinstance(k, bool):
       raise ValueError(f"method_options for {name!r}: k={k!r} must be an int")
-  allowed = sorted(p for p in inspect.signature(METHODS[base]).parameters
-                   if p not in ("self", "k")) if base in METHODS else []
+  allowed = method_options(METHODS[base]) if base in METHODS else []
   unknown = sorted(set(options) - set(allowed))
   if base in METHODS and unknown:  # k comes from num_speculative_tokens
     raise ValueError(f"method_options for {name!r} ({dict(options)}) are not all options "

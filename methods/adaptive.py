@@ -53,7 +53,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.method import Capabilities, Draft, Method, ProposeContext, VerifyResult
+from specjax.method import (
+    Capabilities,
+    Draft,
+    InnerMethodOption,
+    Method,
+    ProposeContext,
+    VerifyResult,
+)
 from specjax.tree import chain_parents
 
 __all__ = ["Adaptive", "AdaptiveStats"]
@@ -96,26 +103,26 @@ class _State:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Adaptive(Method):
-  """Per-row choice among ``drafters`` (registry names) by expected accepted length.
+  """Per-row choice among the ``drafters`` by expected accepted length.
 
   Attributes:
-    k: the most draft tokens per row (every member gets this k).
-    drafters: member method names, in tie-break order (a comma-separated string is
-      accepted too).
+    k: the most draft tokens per row (every member drafts this k).
+    drafters: the member methods, in tie-break order, each with this k (through the
+      registry: method names, a sequence or one comma-separated string, default
+      "suffix,ngram").
     prior: prior per-position acceptance of the unscored members, in (0, 1].
     prior_weight: pseudo-rows behind the prior (> 0).
   """
 
   name = "adaptive"
+  inner_methods = (InnerMethodOption("drafters", ("suffix", "ngram")),)
   k: int = 4
-  drafters: tuple[str, ...] | str = ("suffix", "ngram")
+  drafters: tuple[Method, ...] | None = None
   prior: float = 1.0
   prior_weight: float = 2.0
 
   def __post_init__(self):
-    if isinstance(self.drafters, str):
-      object.__setattr__(self, "drafters", tuple(s.strip() for s in self.drafters.split(",")))
-    elif isinstance(self.drafters, list):
+    if isinstance(self.drafters, list):
       object.__setattr__(self, "drafters", tuple(self.drafters))
     if not isinstance(self.k, int) or self.k < 1:
       raise ValueError(f"num_speculative_tokens k={self.k!r} must be an int >= 1")
@@ -124,10 +131,18 @@ class Adaptive(Method):
     if not (isinstance(self.prior_weight, (int, float)) and math.isfinite(self.prior_weight)
             and self.prior_weight > 0):
       raise ValueError(f"prior_weight={self.prior_weight!r} must be a finite number > 0")
-    names = self.drafters
-    if not isinstance(names, tuple) or not names or len(set(names)) != len(names):
-      raise ValueError(f"drafters={names!r} must be a non-empty tuple of distinct method names")
-    members = self._members()
+    members = self.drafters
+    if not isinstance(members, tuple) or not members \
+        or not all(isinstance(m, Method) for m in members):
+      raise ValueError(f"drafters={members!r} must be a non-empty tuple of Methods (by name "
+                       "through methods.registry)")
+    names = tuple(m.name for m in members)
+    if len(set(names)) != len(names):
+      raise ValueError(f"drafters={names!r} must be distinct methods")
+    nested = [m.name for m in members if isinstance(m, Adaptive)]
+    if nested:
+      raise ValueError(f"drafters={names!r}: a member must be a method other than "
+                       f"{self.name!r}")
     devices = [m.name for m in members if m.host_capabilities().runs_on != "host"]
     bad = [m.name for m in members
            if m.num_speculative_tokens == 0 or m.host_capabilities().target_hidden_layers]
@@ -135,29 +150,26 @@ class Adaptive(Method):
       raise ValueError(f"drafters={names!r}: adaptive composes drafting host methods "
                        "(suffix, ngram) and at most one device drafter without target hidden "
                        f"states (draft_model); refused: {bad or devices}")
-
-  def _members(self) -> tuple:
-    from methods.registry import METHODS, make_method  # noqa: PLC0415 (registry imports us)
-
-    out = []
-    for n in self.drafters:
-      if n == self.name or n not in METHODS:
-        raise ValueError(f"drafters entry {n!r} must be a registered method other than "
-                         f"'adaptive'; known: {sorted(set(METHODS) - {self.name})}")
-      out.append(make_method(n, self.k))
-    return tuple(out)
+    wrong_k = [m.name for m in members if m.num_speculative_tokens != self.k]
+    if wrong_k:
+      raise ValueError(f"drafters={names!r}: members {wrong_k} must draft k={self.k} tokens")
 
   @property
   def num_speculative_tokens(self) -> int:
     return self.k
 
   def capabilities(self) -> Capabilities:
-    caps = [m.host_capabilities() for m in self._members()]
+    caps = [m.host_capabilities() for m in self.drafters]
     return Capabilities(
         runs_on="device" if any(c.runs_on != "host" for c in caps) else "host",
         emits_draft_probs=any(c.emits_draft_probs for c in caps),
         tree=any(c.tree for c in caps),
         needs_draft_model=any(c.needs_draft_model for c in caps))
+
+  def describe(self) -> dict:
+    """The config with the members by name (``"drafters": ("suffix", "ngram")``)."""
+    return {"method": self.name, "k": self.k, "drafters": tuple(m.name for m in self.drafters),
+            "prior": self.prior, "prior_weight": self.prior_weight}
 
   @staticmethod
   def stats(runtime) -> AdaptiveStats | None:
@@ -165,7 +177,7 @@ class Adaptive(Method):
     return next((v for k, v in runtime.method_cache.items() if isinstance(k, Adaptive)), None)
 
   def init_state(self, runtime) -> _State:
-    members = self._members()
+    members = self.drafters
     old = runtime.method_cache.get(self)
     estimates = old.estimates if old is not None else {
         m.name: _Estimate(np.zeros(self.k, np.int64), np.zeros(self.k, np.int64))

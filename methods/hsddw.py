@@ -69,7 +69,7 @@ from flax import nnx
 
 from methods.draft_model import DraftKV
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
-from specjax.method import Capabilities, Draft, Method
+from specjax.method import Capabilities, Draft, InnerMethodOption, Method
 from specjax.sampling import (
     STREAM_DRAFT,
     is_greedy,
@@ -204,19 +204,20 @@ class HSDDW(Method):
 
   Attributes:
     k: most tokens per block (and M1's draft length).
-    m1: a host chain drafter's registry name (default "ngram") or a ``Method``; it must
-      run on the host, need no draft model and emit no draft probabilities.
+    m1: the host chain drafter, a ``Method`` with the same k (through the registry: a
+      method name, default "ngram"); it must run on the host, need no draft model and
+      emit no draft probabilities.
     initial_threshold: tau before any rejection, in nats (> 0).
     prior_weight: weight of ``initial_threshold`` in the running mean (>= 0; 0: tau is
       the plain mean once a draft was rejected).
   """
 
   name = "hsddw"
+  inner_methods = (InnerMethodOption("m1", "ngram"),)
   k: int = 4
-  m1: Any = "ngram"
+  m1: Method | None = None
   initial_threshold: float = 2.0
   prior_weight: float = 1.0
-  _m1: Method = dataclasses.field(init=False, repr=False, compare=False, default=None)
 
   def __post_init__(self):
     if self.k < 1:
@@ -227,16 +228,12 @@ class HSDDW(Method):
     if not (np.isfinite(self.prior_weight) and self.prior_weight >= 0):
       raise ValueError(f"prior_weight={self.prior_weight} must be a finite number >= 0")
     m1 = self.m1
-    if isinstance(m1, str):
-      from methods.registry import make_method  # noqa: PLC0415 (the registry imports us)
-
-      m1 = make_method(m1, self.k)
     caps = m1.host_capabilities() if isinstance(m1, Method) else None
     if caps is None or caps.runs_on != "host" or caps.emits_draft_probs or caps.tree \
         or caps.needs_draft_model or m1.num_speculative_tokens < 1:
-      raise ValueError(f"m1={self.m1!r} must be a host chain drafter (e.g. 'ngram') that "
-                       "needs no draft model and emits no draft probabilities")
-    object.__setattr__(self, "_m1", m1)
+      raise ValueError(f"m1={self.m1!r} must be a host chain drafter Method (e.g. NGram; by "
+                       "name through methods.registry) that needs no draft model and emits "
+                       "no draft probabilities")
 
   @property
   def num_speculative_tokens(self) -> int:
@@ -246,12 +243,12 @@ class HSDDW(Method):
     return Capabilities(runs_on="device", emits_draft_probs=True, needs_draft_model=True)
 
   def describe(self) -> dict:
-    return {"method": self.name, "k": self.k, "m1": self._m1.name,
+    return {"method": self.name, "k": self.k, "m1": self.m1.name,
             "initial_threshold": self.initial_threshold, "prior_weight": self.prior_weight}
 
   def init_state(self, runtime):
     counters = dict(m1_proposed=0, m1_accepted=0, m2_tokens=0, m2_forwards=0, rejected=0)
-    return HSDDWState(DraftKV.create(runtime), self._m1.init_state(runtime), {}, {}, counters)
+    return HSDDWState(DraftKV.create(runtime), self.m1.init_state(runtime), {}, {}, counters)
 
   def threshold(self, state: HSDDWState, request_id) -> float:
     """tau of a request now (``updated_threshold`` of its rejected entropies)."""
@@ -269,7 +266,7 @@ class HSDDW(Method):
       for rid in ctx.request_ids:
         state.last_entropy[rid] = np.zeros(0, np.float32)
       return state, Draft(np.full((rows, self.k), -1, np.int32), np.zeros(rows, np.int32))
-    state.m1_state, m1_draft = self._m1.propose(
+    state.m1_state, m1_draft = self.m1.propose(
         state.m1_state, dataclasses.replace(ctx, budgets=budgets))
     num_m1 = np.zeros(batch, np.int32)
     num_m1[:rows] = np.minimum(np.asarray(m1_draft.num_tokens[:rows]), budgets)
@@ -312,7 +309,7 @@ class HSDDW(Method):
       if ent is not None and a < ent.size:  # draft a (0-based) was rejected
         state.rejected.setdefault(rid, []).append(float(ent[a]))
         state.counters["rejected"] += 1
-    state.m1_state = self._m1.observe(state.m1_state, result)
+    state.m1_state = self.m1.observe(state.m1_state, result)
     state.draft_kv.drop(result.finished)
     for rid in result.finished:
       state.rejected.pop(rid, None)

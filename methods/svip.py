@@ -55,8 +55,8 @@ class Svip(WrappedDrafter):
   Attributes:
     k: most draft tokens per row.
     h: threshold on ``sqrt(0.15 * H)`` (H in nats); >= 0; ``inf`` never stops.
-    drafter: "draft_model", "eagle" or "eagle3" (chains), or such a method instance.
-    drafter_options: options of the wrapped drafter (e.g. ``head_path``).
+    drafter: a "draft_model", "eagle" or "eagle3" chain method (through the registry: its
+      name, with ``drafter_options``, e.g. ``head_path``).
 
   Raises:
     ValueError: ``h`` negative or NaN; a drafter without an entropy stop.

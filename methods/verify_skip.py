@@ -63,7 +63,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.method import Draft, Method
+from specjax.method import Draft, InnerMethodOption, Method
 
 __all__ = ["LinearVerifyCost", "TableVerifyCost", "VerifySkip", "VerifySkipState",
            "choose_cap", "length_buckets"]
@@ -176,7 +176,8 @@ class VerifySkip(Method):
 
   Attributes:
     k: most draft tokens (the drafter is built with the same k).
-    drafter: a chain drafter's registry name (default "ngram") or a ``Method``.
+    drafter: the chain drafter, a ``Method`` (through the registry: a method name, default
+      "ngram", built with the same k).
     cost_model: ``T(B, L)`` seconds, e.g. ``TableVerifyCost``; None:
       ``LinearVerifyCost()``.
     prior_mean: prior acceptance per position, in (0, 1).
@@ -186,8 +187,9 @@ class VerifySkip(Method):
   """
 
   name = "verify_skip"
+  inner_methods = (InnerMethodOption("drafter", "ngram"),)
   k: int = 4
-  drafter: Any = "ngram"
+  drafter: Method | None = None
   cost_model: Any = None
   prior_mean: float = 0.8
   prior_weight: float = 2.0
@@ -212,14 +214,10 @@ class VerifySkip(Method):
     if self.cost_model is not None and not callable(self.cost_model):
       raise ValueError(f"cost_model={self.cost_model!r} must be callable (batch, length) -> s")
     inner = self.drafter
-    if isinstance(inner, str):
-      from methods.registry import make_method  # noqa: PLC0415 (the registry imports us)
-
-      inner = make_method(inner, self.k)
     if not isinstance(inner, Method) or inner.num_speculative_tokens < 1 \
         or inner.host_capabilities().tree or isinstance(inner, VerifySkip):
-      raise ValueError(f"drafter={self.drafter!r} must be a chain drafter (k >= 1, no trees, "
-                       "not verify_skip itself)")
+      raise ValueError(f"drafter={self.drafter!r} must be a chain drafter Method (k >= 1, no "
+                       "trees, not verify_skip itself; by name through methods.registry)")
     object.__setattr__(self, "_inner", inner)
 
   @property

@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-__all__ = ["Capabilities", "DeviceDraft", "DeviceRows", "Draft", "Method", "PrefillResult",
-           "ProposeContext", "RuntimeInfo", "VerifyResult"]
+__all__ = ["Capabilities", "DeviceDraft", "DeviceRows", "Draft", "InnerMethodOption", "Method",
+           "PrefillResult", "ProposeContext", "RuntimeInfo", "VerifyResult"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +213,33 @@ class DeviceDraft:
   parents: Any = None
 
 
+@dataclasses.dataclass(frozen=True)
+class InnerMethodOption:
+  """An option of a composite method that holds its inner methods (``Method.inner_methods``).
+
+  Users name inner methods by registry name (e.g. ``verify_skip.drafter=ngram``);
+  ``methods.registry.make_method`` builds them with the composite's k and passes the
+  composite the constructed ``Method`` objects, so no method module needs the registry.
+
+  Attributes:
+    option: the composite's dataclass field, e.g. "drafter".
+    default: the registry name built when the option is not given ("ngram"), or a tuple
+      of names (("suffix", "ngram")) for an option holding a tuple of methods (names are
+      then given as a sequence or one comma-separated string).
+    options: the option (not a field: the registry consumes it) holding the named inner
+      method's own options as a dict or pairs, e.g. "drafter_options"; None: none.
+  """
+
+  option: str
+  default: str | tuple[str, ...]
+  options: str | None = None
+
+  @property
+  def many(self) -> bool:
+    """The option holds a tuple of methods."""
+    return isinstance(self.default, tuple)
+
+
 class Method(abc.ABC):
   """Base of all SD methods. Subclasses are frozen keyword-only dataclasses.
 
@@ -224,6 +251,8 @@ class Method(abc.ABC):
   """
 
   name: ClassVar[str]
+  # The options naming inner methods of a composite (wrapper) method, built by the registry.
+  inner_methods: ClassVar[tuple[InnerMethodOption, ...]] = ()
 
   @property
   @abc.abstractmethod

@@ -25,6 +25,7 @@ from e2e_lib import (
 from e2e_lib import scripted_drafter as make_scripted
 
 from methods.hsddw import HSDDW, HSDDWState, updated_threshold
+from methods.ngram import NGram
 from methods.registry import make_method
 from specjax.config import SamplingParams
 from specjax.engine import Engine
@@ -71,7 +72,7 @@ def test_threshold_update_by_hand():
   assert updated_threshold(2.0, 0.0, []) == 2.0  # was 0/0 = nan before any rejection
   # Through observe: row 0 rejects draft 1 (entropy 0.5), row 1 accepts all 2 drafts,
   # row 2 rejects draft 0 (entropy 3.0) and ends (its history is dropped).
-  method = HSDDW(k=4, initial_threshold=2.0, prior_weight=1.0)
+  method = HSDDW(k=4, m1=NGram(k=4), initial_threshold=2.0, prior_weight=1.0)
   class _KV:  # the draft KV is not needed here
     def drop(self, finished):
       pass
@@ -98,7 +99,10 @@ def test_bad_options_are_refused():
     HSDDW(m1="draft_model")
   with pytest.raises(ValueError, match="prior_weight"):
     HSDDW(prior_weight=-1.0)
+  with pytest.raises(ValueError, match="m1=None"):  # not built from a name: the registry's job
+    HSDDW()
   assert make_method("hsddw", 3).describe()["m1"] == "ngram"
+  assert make_method("hsddw", 3) == HSDDW(k=3, m1=NGram(k=3))
 
 
 @pytest.mark.parametrize("workload", [
@@ -109,7 +113,7 @@ def test_greedy_hsddw_equals_ar(make_engine, reference, workload):
     m1 = make_scripted(requests, reference, num_right=2)
   else:
     requests = make_requests(1, 1, prompt_len=(8, 12))
-    m1 = "ngram"
+    m1 = NGram(k=K)
   engine = make_engine(HSDDW(k=K, m1=m1, initial_threshold=THRESHOLD))
   outputs, metrics, state = _run(engine, requests)
   assert [o.output_token_ids for o in outputs] == reference(requests)
@@ -153,7 +157,7 @@ SEEDED = Request("seeded", (7, 21, 3, 30, 12, 44, 8),
 
 @pytest.mark.slow  # sampled drafting compiles per batch bucket: ~4 min on the 2-core CPU
 def test_seeded_request_ignores_partners(make_engine):
-  engine = make_engine(HSDDW(k=K, initial_threshold=THRESHOLD))
+  engine = make_engine(HSDDW(k=K, m1=NGram(k=K), initial_threshold=THRESHOLD))
   alone = engine.generate([SEEDED])[0][0].output_token_ids
   assert len(alone) == 12
   greedy = make_requests(11, 2, prefix="g")
