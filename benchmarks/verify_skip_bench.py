@@ -24,11 +24,12 @@ import pandas as pd
 from absl import app, flags
 
 from benchmarks.engine_loop import ConstantDrafter
-from methods.verify_skip import TableVerifyCost, VerifySkip
+from methods.verify_skip import VerifySkip
 from models.random_weights import random_transformer
 from models.shapes import SHAPES
 from specjax.compile_cache import enable_compilation_cache
 from specjax.config import EngineConfig, SamplingParams
+from specjax.cost_model import TableVerifyCost
 from specjax.engine import Engine
 from specjax.request import Request
 from specjax.steps import split_model
