@@ -25,11 +25,12 @@ from absl import flags
 
 from harness import cli
 from harness.synthetic import ConstantDrafter
-from methods.verify_skip import TableVerifyCost, VerifySkip
+from methods.verify_skip import VerifySkip
 from models.random_weights import random_transformer
 from models.shapes import SHAPES
 from specjax.compile_cache import enable_compilation_cache
 from specjax.config import EngineConfig, SamplingParams
+from specjax.cost_model import TableVerifyCost
 from specjax.engine import Engine
 from specjax.request import Request
 from specjax.steps import split_model

@@ -1,4 +1,5 @@
-"""Fits a step cost model (``harness.cost_model.fit``) from engine-loop and evaluation CSVs.
+"""Fits the step cost model (``specjax.cost_model``; ``harness.cost_fit.fit``) from
+engine-loop and evaluation CSVs; ``specjax.cost_model.load`` reads the JSON back.
 
   python -m experiments.fit_cost_model \
       --engine_loop_csv=docs/gpu/runtime_cost_model/engine_loop_8b_b1/engine_loop.csv \
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 from absl import flags
 
-from harness import cli, cost_model
+from harness import cli, cost_fit
 
 _LOOP = flags.DEFINE_list("engine_loop_csv", None, "benchmarks.engine_loop CSVs.", required=True)
 _EVAL = flags.DEFINE_list("eval_csv", [], "harness.evaluation results.csv files (draft costs).")
@@ -22,9 +23,9 @@ _OUT = flags.DEFINE_string("output", "cost_model.json", "Where the JSON goes.")
 
 def main(argv):
   del argv
-  model = cost_model.fit([pd.read_csv(p) for p in _LOOP.value],
-                         [pd.read_csv(p) for p in _EVAL.value], new_tokens=_NEW.value,
-                         name=_NAME.value, switch_s=_SWITCH.value / 1e3)
+  model = cost_fit.fit([pd.read_csv(p) for p in _LOOP.value],
+                       [pd.read_csv(p) for p in _EVAL.value], new_tokens=_NEW.value,
+                       name=_NAME.value, switch_s=_SWITCH.value / 1e3)
   with open(_OUT.value, "w") as f:
     f.write(model.to_json())
   print(model.to_json())

@@ -14,7 +14,8 @@ import os
 import pandas as pd
 from absl import flags
 
-from harness import cli, cost_model, simulator
+from harness import cli, simulator
+from specjax import cost_model
 
 _TRACES = flags.DEFINE_list("traces", [], "JSONL trace files (harness.traces or the seed's).")
 _COST = flags.DEFINE_string("cost_model", "seed-llama8b-h100",

@@ -33,9 +33,10 @@ The rules, per trace method m with ``acc_len[m]`` (tokens a step commits, drafts
     throughput = B n / latency; speedup = mean SD throughput / mean AR throughput over
     the sampled requests.
 
-Only the ``seed-llama8b-h100`` cost model's shape is assumed: a ``harness.cost_model``
+Only the ``seed-llama8b-h100`` cost model's shape is assumed: a ``specjax.cost_model``
 whose target is linear and whose draft costs for the policy's method (n-gram for the
-combination) are ``DraftCost`` objects, read here without their zero-when-idle guard.
+combination) are ``DraftCost`` objects, charged without their zero-when-idle guard
+(``charge_idle=True``; the draft "row" is one copy, ``v - 1`` its draft length).
 """
 
 from __future__ import annotations
@@ -44,21 +45,13 @@ import random
 
 import numpy as np
 
-from harness.cost_model import CostModel, DraftCost
+from specjax.cost_model import CostModel, DraftCost
 
 __all__ = ["MATCH_PROBABILITY", "simulate_seed"]
 
 # The seed's n-gram match probability for a position whose acc_len is 1, per data set.
 MATCH_PROBABILITY = {"sharegpt": 0.2, "cnn": 0.4, "gsm8k": 0.2, "instructcoder": 0.8}
 NGRAM = "ngram"
-
-
-def _draft_s(cost: DraftCost, spec_tokens, kv, verify_s):
-  """A ``DraftCost`` as the seed charges it: also for one verified token (no guard).
-  ``spec_tokens`` is v - 1 (the preset folds the seed's extra token into ``fixed_s``)."""
-  return (cost.fixed_s + cost.per_row_s + cost.per_step_s * spec_tokens
-          + cost.per_row_token_s * spec_tokens + cost.per_kv_token_s * kv
-          + cost.verify_fraction * verify_s)
 
 
 def _lengths(record, methods) -> int:
@@ -108,7 +101,7 @@ def _sd_run(cost: CostModel, policy, acc: np.ndarray, prompt: int, n: int, copie
     done = g_new >= n
     delta = commit - np.where(done, g_new + prompt, 0)
     seen = kv + np.concatenate([[0], np.cumsum(delta)[:-1]])  # KV when each row drafts
-    d = _draft_s(draft, v - 1, seen, verify)
+    d = draft.time(1, v - 1, seen, verify, charge_idle=True)
     if is_ngram:
       d = np.where(v == 1, 0.0, d)
     lat[idx] += verify + d + ovh
@@ -141,8 +134,8 @@ def _sd_run_identical(cost: CostModel, policy, acc: np.ndarray, prompt: int, n: 
     g += commit
     done = g >= n
     delta = commit - (g + prompt if done else 0)
-    d = 0.0 if is_ngram and v == 1 else _draft_s(draft, v - 1, kv + delta * (copies - 1) / 2,
-                                                   verify)
+    d = 0.0 if is_ngram and v == 1 else draft.time(
+        1, v - 1, kv + delta * (copies - 1) / 2, verify, charge_idle=True)
     lat += verify + d + ovh
     kv += copies * delta
     steps += 1

@@ -3,7 +3,7 @@ simulator, SpecDecode-Bench/simulator; methods_reference.md 1.7).
 
 Inputs are acceptance traces (``harness.traces``: per request, ``acc_len[m][i]`` = tokens a
 step starting at output position i commits with method m, i.e. accepted drafts + 1) and a
-``harness.cost_model.CostModel``. A step starting at position i (i output tokens
+``specjax.cost_model.CostModel``. A step starting at position i (i output tokens
 committed) with ``l`` drafts commits ``min(acc_len[i], l + 1)`` tokens. Decoding starts at i = 1 when the prefill
 makes token 0 (``CostModel.prefill_emits_token``: vLLM, the seed) and at i = 0 for
 ``specjax.engine`` (its prefill leaves the last prompt token pending). Policies, per row
@@ -40,7 +40,7 @@ import dataclasses
 
 import numpy as np
 
-from harness.cost_model import CostModel
+from specjax.cost_model import CostModel, DraftCost, load
 
 __all__ = ["BoundsConfig", "Policy", "SimResult", "compare_engine_loop", "run_bounds", "simulate",
            "speedup_table"]
@@ -193,15 +193,12 @@ def _step(policy, rows, arrays, cost: CostModel, res: SimResult) -> None:
       if policy.kind == "combine" and row.last_method not in (None, m):
         switches += row.weight
       row.last_method = m
-  verify = cost.target.time(kv, cost.query_tokens(lengths))
-  draft = sum(cost.draft(m).time(r, length, kv, verify) for m, (r, length) in by_method.items())
   num_rows = len(lengths)
-  if policy.kind == "ar":
-    overhead = cost.overhead.ar(num_rows)
-  else:
-    overhead = cost.overhead.sd(num_rows, max(lengths))
-  switch = switches * cost.switch_s
-  res.time_s += verify + draft + overhead + switch
+  parts = cost.step_parts(num_rows, cost.query_tokens(lengths), kv, by_method,
+                          length=max(lengths), speculative=policy.kind != "ar",
+                          switches=switches)
+  verify, draft, overhead, switch = parts
+  res.time_s += parts.total
   res.verify_s += verify
   res.draft_s += draft
   res.overhead_s += overhead
@@ -342,8 +339,6 @@ def compare_engine_loop(loop, cost: CostModel, *, new_tokens: int = 64):
 
 
 def _with_free_draft(cost: CostModel, method: str) -> CostModel:
-  from harness.cost_model import DraftCost  # noqa: PLC0415
-
   return dataclasses.replace(cost, drafts={**cost.drafts, method: DraftCost()})
 
 
@@ -353,7 +348,7 @@ class BoundsConfig:
 
   Attributes:
     traces: JSONL trace files (``harness.traces`` or the seed's).
-    cost_model: a ``harness.cost_model`` preset name or a JSON file.
+    cost_model: a ``specjax.cost_model`` preset name or a JSON file.
     methods: trace methods to simulate (empty: every method of the first file).
     fixed_k: draft lengths of the ``fixed`` policy.
     oracle: also simulate ``oracle`` per method; combine: the oracle combination of all
@@ -415,10 +410,9 @@ def run_bounds(cfg: BoundsConfig):
 
   import pandas as pd  # noqa: PLC0415
 
-  from harness import cost_model as cm  # noqa: PLC0415
   from harness.traces import read_jsonl  # noqa: PLC0415
 
-  cost = cm.load(cfg.cost_model)
+  cost = load(cfg.cost_model)
   if cfg.switch_cost_ms is not None:
     cost = cost.with_switch(cfg.switch_cost_ms / 1e3)
   if cfg.method_costs:

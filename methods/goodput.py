@@ -1,17 +1,18 @@
-"""Goodput pieces shared by the adaptive-length methods (TurboSpec, SV): a linear step
-cost model, its start-up profile on this hardware, expected committed tokens, and the
-per-position acceptance EMA.
+"""Goodput pieces shared by the adaptive-length methods (TurboSpec, SV): the start-up
+profile of the step cost on this hardware, the ``cost_model`` option's forms, expected
+committed tokens, and the per-position acceptance EMA.
 
-Cost model (the seed simulator's linear form, methods_reference.md §1.7):
-``T = verify_base + verify_per_token * num_tokens + verify_per_kv * kv_tokens
-+ draft_steps * (draft_base + draft_per_row * num_rows)`` seconds, where ``num_tokens``
-is the batched verify tokens (rows x (drafts + 1)), ``kv_tokens`` the KV positions the
-rows read, and ``draft_steps`` the draft forwards (0 for a plain decoding step).
+The step cost itself is ``specjax.cost_model.CostModel`` (``step_time(batch, query
+tokens, KV tokens, draft work)``); the profile fits its goodput form
+``specjax.cost_model.StepCostModel``: ``T = verify_base + verify_per_token * num_tokens +
+verify_per_kv * kv_tokens + draft_steps * (draft_base + draft_per_row * num_rows)``
+seconds, where ``num_tokens`` is the batched verify tokens (rows x (drafts + 1)),
+``kv_tokens`` the KV positions the rows read, and ``draft_steps`` the draft forwards (0
+for a plain decoding step).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import jax
@@ -19,33 +20,42 @@ import numpy as np
 
 from models.llama import init_kv_caches
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
+from specjax.cost_model import CostModel, StepCostModel, load
 from specjax.steps import forward_step
 
-__all__ = ["StepCostModel", "cached_profile", "expected_committed", "profile_cost_model",
-           "update_position_ema"]
+__all__ = ["cached_profile", "expected_committed", "profile_cost_model",
+           "resolve_cost_model", "update_position_ema"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StepCostModel:
-  """Linear step time in seconds (module docstring); every coefficient >= 0."""
+def resolve_cost_model(cost_model, drafter: str) -> CostModel | None:
+  """The ``cost_model`` option of TurboSpec / SV as a ``CostModel`` (None: profile one).
 
-  verify_base: float
-  verify_per_token: float = 0.0
-  verify_per_kv: float = 0.0
-  draft_base: float = 0.0
-  draft_per_row: float = 0.0
+  Args:
+    cost_model: a ``CostModel`` (e.g. ``StepCostModel(...)``), the dict of
+      ``StepCostModel``'s fields, a ``specjax.cost_model`` preset name or a ``.json`` file
+      of ``CostModel.to_json``, or None.
+    drafter: the wrapped drafter's method name, whose draft cost the model must have.
 
-  def __post_init__(self):
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if not (np.isfinite(v) and v >= 0):
-        raise ValueError(f"{f.name}={v} must be finite and >= 0 (seconds)")
-    if self.verify_base <= 0:
-      raise ValueError(f"verify_base={self.verify_base} must be > 0 (a step takes time)")
-
-  def step_time(self, num_rows: int, num_tokens: int, kv_tokens: int, draft_steps: int) -> float:
-    return (self.verify_base + self.verify_per_token * num_tokens + self.verify_per_kv * kv_tokens
-            + draft_steps * (self.draft_base + self.draft_per_row * num_rows))
+  Raises:
+    ValueError: an unknown preset or field, a bad coefficient, or no draft cost for
+      ``drafter``.
+  """
+  if cost_model is None or isinstance(cost_model, CostModel):
+    cost = cost_model
+  elif isinstance(cost_model, dict):
+    try:
+      cost = StepCostModel(**cost_model)
+    except TypeError as e:
+      raise ValueError(f"cost_model={cost_model!r} must hold StepCostModel's fields "
+                       f"(verify_base, ...): {e}") from None
+  elif isinstance(cost_model, str):
+    cost = load(cost_model)
+  else:
+    raise ValueError(f"cost_model={cost_model!r} must be a CostModel, a dict of "
+                     "StepCostModel fields, a preset name or a .json file")
+  if cost is not None:
+    cost.draft(drafter)
+  return cost
 
 
 def expected_committed(survival: np.ndarray) -> float:
@@ -99,10 +109,10 @@ def _forward_timer(model, rows: int, q_len: int, kv_len: int, page_size: int, im
 
 
 def profile_cost_model(runtime, k: int, *, rows=(1, 8), context: int = 512,
-                       repeats: int = 5) -> StepCostModel:
-  """Fits ``StepCostModel`` on this hardware by timing the target's (and draft's)
-  forward at a few shapes: rows x (1 or k + 1) query tokens at KV lengths ``context / 4``
-  and ``context`` (capped at ``max_model_len``); median of ``repeats`` after a warm-up,
+                       repeats: int = 5) -> CostModel:
+  """Fits ``specjax.cost_model.StepCostModel`` on this hardware by timing the target's
+  (and draft's) forward at a few shapes: rows x (1 or k + 1) query tokens at KV lengths
+  ``context / 4`` and ``context`` (capped at ``max_model_len``); median of ``repeats`` after a warm-up,
   least squares, negative fitted coefficients set to 0 (timing noise). Draft cost is
   profiled only when a draft model is loaded (host drafters and heads cost 0 here).
   Runs at every ``init_state`` (each ``Engine.generate``), before the timed window; the
@@ -129,7 +139,7 @@ def profile_cost_model(runtime, k: int, *, rows=(1, 8), context: int = 512,
                        verify_per_kv=per_kv, draft_base=draft_base, draft_per_row=draft_row)
 
 
-def cached_profile(method, runtime, k: int, context: int) -> StepCostModel:
+def cached_profile(method, runtime, k: int, context: int) -> CostModel:
   """``profile_cost_model`` once per (method instance, target, draft): ``init_state``
   runs at every ``Engine.generate``, the profile need not. Kept on the instance."""
   key = (id(runtime.target.params), id(runtime.draft.params) if runtime.draft else None,

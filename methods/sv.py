@@ -19,8 +19,9 @@ outcomes seen in that bin. Position i counts as examined if the verifier reached
 (i <= accepted + 1, i <= verified) and as a success if it was accepted.
 
 Verified length: ``gamma* = argmax E(gamma) / T(gamma)``, ``E(gamma) = 1 + sum_{j<=gamma}
-prod_{i<=j} p_i``, ``T`` the row's step time (``goodput.StepCostModel`` with 1 row,
-gamma + 1 tokens, its KV length, the draft forwards made), by the paper's incremental
+prod_{i<=j} p_i``, ``T`` the row's step time (``specjax.cost_model.CostModel.step_time``
+with 1 row, gamma + 1 tokens, its KV length, the draft forwards made as the drafter's
+draft work), by the paper's incremental
 search: gamma grows while goodput rises and stops at the first drop. Drafts past gamma*
 are not verified.
 
@@ -55,10 +56,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from methods.goodput import StepCostModel, cached_profile, expected_committed
+from methods.goodput import cached_profile, expected_committed, resolve_cost_model
 from methods.wrapped import WrappedDrafter
 from models.llama import init_kv_caches
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
+from specjax.cost_model import CostModel
 from specjax.engine import bucket
 from specjax.sampling import is_greedy, processed_probs
 from specjax.steps import SplitModel, forward_step, split_model
@@ -117,7 +119,7 @@ class _State:
   companion: SplitModel
   caches: Any
   written: dict  # request id -> companion KV positions written
-  cost: StepCostModel
+  cost: CostModel
   greedy_table: np.ndarray  # f64[2, num_bins]: successes, examined
   tables: dict  # request id -> f64[2, num_bins] (sampled rows)
   pending: dict  # request id -> (table key, bins i32[gamma], gamma)
@@ -131,8 +133,9 @@ class SpeculativeVerification(WrappedDrafter):
   Attributes:
     companion: a ``models.zoo`` name or checkpoint path of the companion.
     companion_model: or the companion itself (a ``Transformer`` or ``SplitModel``).
-    cost_model: a ``StepCostModel`` (or the dict of its fields), or None to profile one
-      at start-up.
+    cost_model: a ``specjax.cost_model.CostModel`` (e.g. ``StepCostModel(...)``), the
+      dict of ``StepCostModel``'s fields, a preset name or ``.json`` file
+      (``specjax.cost_model.load``), or None to profile one at start-up.
     num_bins: calibration bins over [0, 1].
     prior_strength: n0, pseudo-observations of the prior in each bin (> 0).
     profile_context: KV length of the start-up profile.
@@ -141,7 +144,7 @@ class SpeculativeVerification(WrappedDrafter):
   name = "sv"
   companion: str | None = None
   companion_model: Any = dataclasses.field(default=None, compare=False, repr=False)
-  cost_model: StepCostModel | dict | None = None
+  cost_model: CostModel | dict | str | None = None
   num_bins: int = 8
   prior_strength: float = 2.0
   profile_context: int = 512
@@ -154,9 +157,8 @@ class SpeculativeVerification(WrappedDrafter):
       raise ValueError(f"num_bins={self.num_bins} must be >= 1")
     if not self.prior_strength > 0:
       raise ValueError(f"prior_strength={self.prior_strength} must be > 0")
-    if isinstance(self.cost_model, dict):
-      object.__setattr__(self, "cost_model", StepCostModel(**self.cost_model))
     super().__post_init__()
+    object.__setattr__(self, "cost_model", resolve_cost_model(self.cost_model, self.inner.name))
 
 
   def init_state(self, runtime):
@@ -245,8 +247,10 @@ class SpeculativeVerification(WrappedDrafter):
       table = state.greedy_table if key is None else state.tables.setdefault(
           rid, np.zeros((2, self.num_bins)))
       kv = len(seq)
+      drafted = {self.inner.name: (1, n)}
       gammas[i] = choose_gamma(self._p_hat(table, bins),
-                               lambda g, kv=kv, n=n: state.cost.step_time(1, g + 1, kv, n))
+                               lambda g, kv=kv, d=drafted: state.cost.step_time(
+                                   1, g + 1, kv, d, length=g, speculative=True))
       state.pending[rid] = (key, bins[: gammas[i]], int(gammas[i]))
     return state, dataclasses.replace(draft, num_tokens=gammas)
 

@@ -15,8 +15,10 @@ forwards = the longest admitted length). The best prefix sets each row's draft l
 (0..min(k, budget)); when no slot pays (e.g. verification costly under load) every
 row drafts 0 and the step is plain decoding. The drafter then drafts those lengths.
 
-Cost model: injected (``cost_model``), or profiled at ``init_state`` on this hardware
-(``goodput.profile_cost_model``: the target's forward timed at a few widths).
+Cost model: ``specjax.cost_model.CostModel``, injected (``cost_model``: a model, a
+preset name or JSON file, or ``StepCostModel``'s fields), or profiled at ``init_state`` on
+this hardware (``goodput.profile_cost_model``: the target's forward timed at a few
+widths). The drafter's draft cost is the model's for its method name (or ``ANY_METHOD``).
 
 Lossless: lengths depend on history and load only, never on the step's drafts. Note:
 they do depend on the batch (load), so over a drafter with draft probabilities (the
@@ -37,21 +39,24 @@ from typing import Any
 
 import numpy as np
 
-from methods.goodput import StepCostModel, cached_profile, update_position_ema
+from methods.goodput import cached_profile, resolve_cost_model, update_position_ema
 from methods.wrapped import WrappedDrafter
+from specjax.cost_model import ANY_METHOD, CostModel
 
 __all__ = ["TurboSpec", "plan_lengths"]
 
 
 def plan_lengths(alphas: np.ndarray, budgets: np.ndarray, kv_tokens: int,
-                 cost: StepCostModel) -> np.ndarray:
+                 cost: CostModel, drafter: str = ANY_METHOD) -> np.ndarray:
   """Per-row draft lengths ``i32[R]`` that maximise predicted goodput.
 
   Args:
     alphas: ``f[R, k]`` conditional acceptance estimates per row and position.
     budgets: ``i32[R]`` most drafts per row (<= k).
     kv_tokens: KV positions the step's rows read.
-    cost: the step cost model.
+    cost: the step cost model (``CostModel.step_time``: ``rows`` rows, ``rows`` + admitted
+      slots query tokens, the longest admitted length as ``drafter``'s draft work).
+    drafter: the method whose draft cost ``cost`` charges.
 
   Example: one row, alpha (0.9, 0.1), cost 1 + 0.1 per batched token: length 0 gives
   1 / 1.1 = 0.91, length 1 gives 1.9 / 1.2 = 1.58, length 2 gives 1.99 / 1.3 = 1.53 ->
@@ -63,12 +68,12 @@ def plan_lengths(alphas: np.ndarray, budgets: np.ndarray, kv_tokens: int,
   slots.sort()
   lengths = np.zeros(rows, np.int32)
   gain = float(rows)
-  best = gain / cost.step_time(rows, rows, kv_tokens, 0)
+  best = gain / cost.step_time(rows, rows, kv_tokens)
   best_m, longest = 0, 0
   for m, (neg, j, _r) in enumerate(slots, 1):
     gain -= neg
     longest = max(longest, j + 1)
-    g = gain / cost.step_time(rows, rows + m, kv_tokens, longest)
+    g = gain / cost.step_time(rows, rows + m, kv_tokens, {drafter: (rows, longest)})
     if g > best:
       best, best_m = g, m
   for _, j, r in slots[:best_m]:  # survival is non-increasing in j: prefixes per row
@@ -79,7 +84,7 @@ def plan_lengths(alphas: np.ndarray, budgets: np.ndarray, kv_tokens: int,
 @dataclasses.dataclass
 class _State:
   inner: Any
-  cost: StepCostModel
+  cost: CostModel
   alpha: dict  # request id -> f64[k]
   drafted: dict  # request id -> draft tokens kept in the last step
 
@@ -91,15 +96,16 @@ class TurboSpec(WrappedDrafter):
   Attributes:
     beta: EMA factor in (0, 1] (vLLM adaptive_k: 0.3).
     prior: initial alpha of a new request, in [0, 1] (vLLM adaptive_k: 0.85).
-    cost_model: a ``StepCostModel`` (or the dict of its fields), or None to profile one
-      at start-up.
+    cost_model: a ``specjax.cost_model.CostModel`` (e.g. ``StepCostModel(...)``), the
+      dict of ``StepCostModel``'s fields, a preset name or ``.json`` file
+      (``specjax.cost_model.load``), or None to profile one at start-up.
     profile_context: KV length (tokens) of the start-up profile.
   """
 
   name = "turbospec"
   beta: float = 0.3
   prior: float = 0.85
-  cost_model: StepCostModel | dict | None = None
+  cost_model: CostModel | dict | str | None = None
   profile_context: int = 512
 
   def __post_init__(self):
@@ -109,9 +115,8 @@ class TurboSpec(WrappedDrafter):
       raise ValueError(f"prior={self.prior} must be in [0, 1]")
     if self.profile_context < 1:
       raise ValueError(f"profile_context={self.profile_context} must be >= 1")
-    if isinstance(self.cost_model, dict):
-      object.__setattr__(self, "cost_model", StepCostModel(**self.cost_model))
     super().__post_init__()
+    object.__setattr__(self, "cost_model", resolve_cost_model(self.cost_model, self.inner.name))
 
   def init_state(self, runtime):
     cost = self.cost_model or cached_profile(self, runtime, self.k, self.profile_context)
@@ -124,7 +129,7 @@ class TurboSpec(WrappedDrafter):
                        for rid in ctx.request_ids])
     budgets = np.minimum(np.asarray(ctx.budgets, np.int32), self.k)
     kv = int(sum(len(t) for t in ctx.token_ids))
-    lengths = plan_lengths(alphas, budgets, kv, state.cost)
+    lengths = plan_lengths(alphas, budgets, kv, state.cost, self.inner.name)
     inner, draft = self.inner.propose(state.inner, dataclasses.replace(ctx, budgets=lengths))
     state.inner = inner
     kept = np.minimum(np.asarray(draft.num_tokens)[: len(ctx.request_ids)], lengths)

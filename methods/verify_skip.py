@@ -13,7 +13,8 @@ Per step, with B rows, row budgets ``b_r`` and draft lengths ``n_r``:
      counts, prior mean ``prior_mean``, weight ``prior_weight``; a missing draft counts
      as not accepted), survival ``s_j = c_1 .. c_j``, expected tokens ``E(L) = sum_r (1 +
      sum_{j <= min(b_r, L)} s_j)`` and the cost model ``T(B, L)`` (seconds of a verify
-     step of B rows at length L, verify width L + 1) give the verify cap
+     step of B rows at length L, verify width L + 1: ``specjax.cost_model``'s
+     ``CostModel.verify_time``, or a measured ``TableVerifyCost``) give the verify cap
      ``L* = argmax_L E(L) / T(B, L)`` over the engine's length buckets
      ``L = 1, 2, 4, .., k`` (smaller L on ties) and the marginal price of a token
      ``lambda = Theta* (T(B, L*) - T(B, 0)) / (B L*)``, ``Theta* = E(L*) / T(B, L*)``
@@ -63,58 +64,19 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.cost_model import LinearVerifyCost, load
 from specjax.method import Draft, InnerMethodOption, Method
 
-__all__ = ["LinearVerifyCost", "TableVerifyCost", "VerifySkip", "VerifySkipState",
-           "choose_cap", "length_buckets"]
+__all__ = ["VerifySkip", "VerifySkipState", "choose_cap", "length_buckets"]
 
 
-@dataclasses.dataclass(frozen=True)
-class LinearVerifyCost:
-  """``T(B, L) = fixed_s + per_row_s * B + per_token_s * B * (L + 1)`` seconds.
-
-  The defaults fit the whole engine step of the Llama-3.1-8B shape (bf16) on the H200
-  at B = 16 and 64, L = 1 and 8 (``docs/gpu/runtime_cost_model``, step_ms 8.93, 11.42,
-  14.12, 22.96): a rough prior for other setups, which should pass measured costs
-  (``TableVerifyCost``).
-  """
-
-  fixed_s: float = 7.2e-3
-  per_row_s: float = 6.8e-5
-  per_token_s: float = 2.0e-5
-
-  def __call__(self, batch: int, length: int) -> float:
-    return self.fixed_s + self.per_row_s * batch + self.per_token_s * batch * (length + 1)
+_DEFAULT_COST = LinearVerifyCost()
 
 
-@dataclasses.dataclass(frozen=True)
-class TableVerifyCost:
-  """Measured step seconds: ``seconds[i][j]`` at ``batches[i]`` rows, length
-  ``lengths[j]`` (increasing). Linear in B between (and beyond, clamped to the end
-  points) measured batches; a length between measured ones takes the next larger one.
-
-  Raises:
-    ValueError: shapes disagree, axes not increasing, or a length past the table.
-  """
-
-  batches: tuple[int, ...]
-  lengths: tuple[int, ...]
-  seconds: tuple[tuple[float, ...], ...]
-
-  def __post_init__(self):
-    s = np.asarray(self.seconds, np.float64)
-    if s.shape != (len(self.batches), len(self.lengths)) or not s.size:
-      raise ValueError(f"seconds shape {s.shape} must be (len(batches), len(lengths)) = "
-                       f"({len(self.batches)}, {len(self.lengths)})")
-    if np.any(np.diff(self.batches) <= 0) or np.any(np.diff(self.lengths) <= 0):
-      raise ValueError(f"batches={self.batches} and lengths={self.lengths} must increase")
-
-  def __call__(self, batch: int, length: int) -> float:
-    j = int(np.searchsorted(self.lengths, length))
-    if j == len(self.lengths):
-      raise ValueError(f"length={length} is past the cost table's lengths {self.lengths}")
-    col = np.asarray(self.seconds, np.float64)[:, j]
-    return float(np.interp(batch, self.batches, col))
+def _label(cost) -> str:
+  """A cost model's name (``CostModel``), else its repr."""
+  name = getattr(cost, "name", None)
+  return name if isinstance(name, str) else repr(cost)
 
 
 def length_buckets(k: int) -> list[int]:
@@ -178,8 +140,10 @@ class VerifySkip(Method):
     k: most draft tokens (the drafter is built with the same k).
     drafter: the chain drafter, a ``Method`` (through the registry: a method name, default
       "ngram", built with the same k).
-    cost_model: ``T(B, L)`` seconds, e.g. ``TableVerifyCost``; None:
-      ``LinearVerifyCost()``.
+    cost_model: ``T(B, L)`` seconds: a ``specjax.cost_model.CostModel`` (its
+      ``verify_time``; e.g. ``LinearVerifyCost(...)``), a preset name or ``.json`` file
+      of one (``specjax.cost_model.load``), a ``TableVerifyCost`` or any callable
+      ``(batch, length) -> seconds``; None: ``LinearVerifyCost()``.
     prior_mean: prior acceptance per position, in (0, 1).
     prior_weight: pseudo-observations of the prior (> 0).
     confidence_bins: increasing edges in (0, 1) of the draft max-probability bins.
@@ -211,8 +175,11 @@ class VerifySkip(Method):
     object.__setattr__(self, "confidence_bins", edges)
     if self.min_tokens not in (0, 1):
       raise ValueError(f"min_tokens={self.min_tokens} must be 0 or 1")
+    if isinstance(self.cost_model, str):
+      object.__setattr__(self, "cost_model", load(self.cost_model))
     if self.cost_model is not None and not callable(self.cost_model):
-      raise ValueError(f"cost_model={self.cost_model!r} must be callable (batch, length) -> s")
+      raise ValueError(f"cost_model={self.cost_model!r} must be callable (batch, length) -> s, "
+                       "a preset name or a .json file")
     inner = self.drafter
     if not isinstance(inner, Method) or inner.num_speculative_tokens < 1 \
         or inner.host_capabilities().tree or isinstance(inner, VerifySkip):
@@ -229,7 +196,7 @@ class VerifySkip(Method):
 
   def describe(self) -> dict:
     return {"method": self.name, "k": self.k, "drafter": self._inner.name,
-            "cost_model": repr(self.cost_model or LinearVerifyCost()),
+            "cost_model": _label(self.cost_model or _DEFAULT_COST),
             "prior_mean": self.prior_mean, "prior_weight": self.prior_weight,
             "confidence_bins": self.confidence_bins, "min_tokens": self.min_tokens}
 
@@ -253,7 +220,7 @@ class VerifySkip(Method):
       for rid in ctx.request_ids:
         state.last[rid] = (0, 0, 0, 0, np.zeros(0, np.int32))
       return state, Draft(draft.tokens, np.zeros(rows, np.int32), probs=draft.probs)
-    cost = self.cost_model or LinearVerifyCost()
+    cost = self.cost_model or _DEFAULT_COST
     survival = np.cumprod(self._estimate(state.accept, state.reach))
     lengths = length_buckets(self.k)
     if self.min_tokens == 0:

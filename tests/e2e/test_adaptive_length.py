@@ -21,11 +21,12 @@ from e2e_lib import (
     model_config,
 )
 
-from methods.goodput import StepCostModel, update_position_ema
+from methods.goodput import update_position_ema
 from methods.registry import make_method
 from methods.sv import choose_gamma, overlap_features
 from methods.turbospec import plan_lengths
 from specjax.config import SamplingParams
+from specjax.cost_model import StepCostModel
 from specjax.request import Request
 
 EXPENSIVE = StepCostModel(verify_base=1e-3, verify_per_token=10.0)
@@ -191,15 +192,23 @@ def test_profiled_cost_model(target, draft):
   runtime = RuntimeInfo(target=target, draft=draft, num_pages=16, page_size=8,
                         max_model_len=32, attention_implementation="reference")
   cost = profile_cost_model(runtime, K, context=32, repeats=3)
-  assert cost.verify_base > 0 and cost.draft_base + cost.draft_per_row > 0
-  assert cost.step_time(8, 40, 256, 4) >= cost.step_time(1, 1, 8, 0)
+  draft = cost.draft("draft_model")
+  assert cost.target.fixed_s > 0 and draft.per_step_s + draft.per_row_token_s > 0
+  assert cost.step_time(8, 40, 256, {"draft_model": (8, 4)}) >= cost.step_time(1, 1, 8)
 
 
-def test_bad_options(companion):
+def test_bad_options(companion, tmp_path):
   with pytest.raises(ValueError, match="beta=0"):
     make_method("turbospec", K, beta=0.0, cost_model=FREE)
   with pytest.raises(ValueError, match="verify_per_token=-1"):
     StepCostModel(verify_base=1.0, verify_per_token=-1.0)
+  # A cost model without the drafter's draft cost (the preset has ngram, eagle, eagle3).
+  with pytest.raises(ValueError, match="has no draft cost for method='draft_model'"):
+    make_method("turbospec", K, cost_model="seed-llama8b-h100")
+  path = tmp_path / "mid.json"
+  path.write_text(MID.to_json())
+  assert make_method("turbospec", K, cost_model=str(path)).cost_model == MID
+  assert make_method("turbospec", K, cost_model={"verify_base": 1.0}).cost_model == FREE
   with pytest.raises(ValueError, match="exactly one"):
     make_method("sv", K, cost_model=FREE)
   with pytest.raises(ValueError, match="num_bins=0"):

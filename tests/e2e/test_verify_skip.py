@@ -19,13 +19,8 @@ from e2e_lib import (
 )
 
 from methods.registry import make_method
-from methods.verify_skip import (
-  LinearVerifyCost,
-  TableVerifyCost,
-  VerifySkip,
-  choose_cap,
-  length_buckets,
-)
+from methods.verify_skip import VerifySkip, choose_cap, length_buckets
+from specjax.cost_model import LinearVerifyCost, TableVerifyCost, preset
 
 
 def cheap(batch, length):  # width nearly free
@@ -85,6 +80,13 @@ def test_bad_options_are_refused():
     VerifySkip(drafter="ar")
   with pytest.raises(ValueError, match="cost_model"):
     VerifySkip(cost_model=3)
+  with pytest.raises(ValueError, match="must be a preset"):
+    VerifySkip(cost_model="no-such-model")
+  # A preset (specjax.cost_model) by name: its T(B, L) is the model's verify_time.
+  seed = VerifySkip(cost_model="seed-llama8b-h100")
+  assert seed.cost_model is preset("seed-llama8b-h100")
+  assert seed.describe()["cost_model"] == "seed-llama8b-h100"
+  assert seed.cost_model(2, 1) == pytest.approx(5.88590713e-3 + 4 * 2.10103129e-5 + 1.20683946e-3)
   assert make_method("verify_skip", 3, drafter="draft_model").describe()["drafter"] == \
       "draft_model"
 

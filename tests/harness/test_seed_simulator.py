@@ -8,10 +8,11 @@ import os
 import numpy as np
 import pytest
 
-from harness import cost_model, seed_simulator, simulator
-from harness.cost_model import CostModel, DraftCost, OverheadCost, TargetCost
+from harness import seed_simulator, simulator
 from harness.simulator import Policy
 from harness.traces import MethodTrace, TraceRecord, read_jsonl
+from specjax import cost_model
+from specjax.cost_model import CostModel, DraftCost, OverheadCost, TargetCost
 
 MS = 1e-3
 # target 10 ms + 1 ms per query token; EAGLE drafting 2 ms (+ 1 ms per KV token in

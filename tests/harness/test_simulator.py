@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 
-from harness import cost_model, simulator
-from harness.cost_model import CostModel, DraftCost, OverheadCost, TargetCost
+from harness import simulator
 from harness.simulator import Policy
 from harness.traces import MethodTrace, TraceRecord
+from specjax import cost_model
+from specjax.cost_model import CostModel, DraftCost, OverheadCost, TargetCost
 
 MS = 1e-3
 # target = 10 ms + 1 ms per verified token (kv free); draft "a" 2 ms per step it drafts,

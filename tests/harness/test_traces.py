@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from harness import simulator, traces
-from harness.cost_model import preset
 from harness.synthetic import ConstantDrafter
 from methods.draft_model import DraftModel
 from methods.ngram import NGram
 from specjax.config import EngineConfig, SamplingParams
+from specjax.cost_model import preset
 from specjax.engine import Engine
 from specjax.request import Request
 from specjax.sampling import request_key

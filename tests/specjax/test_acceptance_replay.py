@@ -15,13 +15,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from harness.cost_model import preset
 from harness.simulator import Policy, simulate
 from harness.synthetic import ConstantDrafter
 from harness.traces import MethodTrace, TraceRecord, build_traces, parse_replay, replay_requests
 from methods.registry import make_method
 from models.testing import random_model, tiny_config
 from specjax.config import EngineConfig
+from specjax.cost_model import preset
 from specjax.engine import Engine
 from specjax.request import Request, SamplingParams
 from specjax.steps import split_model

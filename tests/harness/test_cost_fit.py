@@ -1,4 +1,5 @@
-"""Cost-model fit: timings made from known coefficients are fitted back exactly."""
+"""Cost-model fit (``harness.cost_fit``): timings made from known coefficients are fitted
+back exactly."""
 
 import json
 
@@ -6,7 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness import cost_model
+from harness import cost_fit
+from specjax import cost_model
 
 
 def _loop_frame():
@@ -40,7 +42,7 @@ def _eval_frame():
 
 
 def test_fit_recovers_coefficients(tmp_path):
-  model = cost_model.fit([_loop_frame()], [_eval_frame()], new_tokens=64, name="t")
+  model = cost_fit.fit([_loop_frame()], [_eval_frame()], new_tokens=64, name="t")
   assert model.target.fixed_s == pytest.approx(4e-3, rel=1e-6)
   assert model.target.per_query_token_s == pytest.approx(1e-5, rel=1e-6)
   assert model.target.per_kv_token_s == pytest.approx(1e-7, rel=1e-6)
@@ -64,8 +66,8 @@ def test_fit_recovers_coefficients(tmp_path):
 def test_fit_errors():
   frame = _loop_frame()
   with pytest.raises(ValueError, match="finite device_ms"):
-    cost_model.fit([frame.assign(device_ms=np.nan)])
+    cost_fit.fit([frame.assign(device_ms=np.nan)])
   with pytest.raises(ValueError, match="one target and dtype"):
-    cost_model.fit([frame, frame.assign(target="other")])
+    cost_fit.fit([frame, frame.assign(target="other")])
   with pytest.raises(ValueError, match="must be a preset"):
     cost_model.load("no-such-model")
