@@ -83,7 +83,7 @@ def test_bad_options_are_refused():
   with pytest.raises(ValueError, match="must be a preset"):
     VerifySkip(cost_model="no-such-model")
   # A preset (specjax.cost_model) by name: its T(B, L) is the model's verify_time.
-  seed = VerifySkip(cost_model="seed-llama8b-h100")
+  seed = make_method("verify_skip", 4, cost_model="seed-llama8b-h100")
   assert seed.cost_model is preset("seed-llama8b-h100")
   assert seed.describe()["cost_model"] == "seed-llama8b-h100"
   assert seed.cost_model(2, 1) == pytest.approx(5.88590713e-3 + 4 * 2.10103129e-5 + 1.20683946e-3)
