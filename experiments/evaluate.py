@@ -27,7 +27,7 @@ from harness.evaluation import (
     run_evaluation,
 )
 from models.layers import SMALL_F32_MATMULS, set_small_f32_matmul, small_f32_matmul
-from specjax.workloads import DATASETS, RANDOM_DATASET
+from harness.workloads import DATASETS, RANDOM_DATASET
 
 _TARGET = flags.DEFINE_string(
     "target", "smollm2-135m",

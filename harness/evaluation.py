@@ -68,7 +68,7 @@ from specjax.engine import Engine, bucket
 from specjax.metrics import compile_affected, summarize
 from specjax.request import Request
 from specjax.steps import split_model
-from specjax.workloads import (
+from harness.workloads import (
     RANDOM_DATASET,
     Prompt,
     load_prompts,
@@ -127,7 +127,7 @@ class EvalConfig:
     method_options: per method name (with its label), keyword options for its config,
       e.g. ``{"eagle": {"head_path": "heads/eagle"}}`` (passed to ``make_method``); ``k``
       sets that method's draft length in place of ``num_speculative_tokens``.
-    dataset: a ``specjax.workloads.DATASETS`` name, or ``"random"``
+    dataset: a ``harness.workloads.DATASETS`` name, or ``"random"``
       (``RANDOM_DATASET``): ``num_prompts`` prompts of ``input_len`` random token ids
       in ``[0, V)`` of the target's vocabulary (``random_prompts``, seeded by ``seed``).
     input_len: prompt length in tokens of ``dataset="random"`` (required there, and
