@@ -20,14 +20,14 @@ from absl import app, flags
 
 from harness import cli
 from harness.evaluation import (
-    LAYER_EXECUTIONS,
-    MATMUL_PRECISIONS,
-    EvalConfig,
-    default_output_dir,
-    run_evaluation,
+  LAYER_EXECUTIONS,
+  MATMUL_PRECISIONS,
+  EvalConfig,
+  default_output_dir,
+  run_evaluation,
 )
-from models.layers import SMALL_F32_MATMULS, set_small_f32_matmul, small_f32_matmul
 from harness.workloads import DATASETS, RANDOM_DATASET
+from models.layers import SMALL_F32_MATMULS, set_small_f32_matmul, small_f32_matmul
 
 _TARGET = flags.DEFINE_string(
     "target", "smollm2-135m",
