@@ -24,8 +24,8 @@ from harness.evaluation import (
   default_output_dir,
   run_evaluation,
 )
+from harness.workloads import DATASETS, RANDOM_DATASET
 from models.layers import SMALL_F32_MATMULS, set_small_f32_matmul, small_f32_matmul
-from specjax.workloads import DATASETS, RANDOM_DATASET
 
 _TARGET = flags.DEFINE_string(
     "target", "smollm2-135m",

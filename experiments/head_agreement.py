@@ -23,12 +23,12 @@ from absl import flags
 
 from harness import cli
 from harness.evaluation import MATMUL_PRECISIONS
+from harness.workloads import DATASETS, load_prompts, tokenize_prompts
 from methods.training.agreement import head_agreement
 from methods.training.data import regenerate
 from models.heads import load_head
 from models.zoo import load_model, resolve_head_path
 from specjax.steps import split_model
-from specjax.workloads import DATASETS, load_prompts, tokenize_prompts
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m", "models.zoo name, .gguf or HF dir.")
 _HEAD = flags.DEFINE_string("head_path", None, "Head directory or models.zoo.HEADS name.",

@@ -18,7 +18,7 @@ _TARGET = flags.DEFINE_string("target", "smollm2-135m", "models.zoo name or path
 _DRAFT = flags.DEFINE_string("draft", None, "Draft model (for draft_model).")
 _METHODS = flags.DEFINE_list("methods", ["ngram"], "methods.registry names.")
 _OPTION = flags.DEFINE_multi_string("method_option", [], "METHOD.OPTION=VALUE (repeatable).")
-_DATASET = flags.DEFINE_string("dataset", "spec_bench", "specjax.workloads dataset or random.")
+_DATASET = flags.DEFINE_string("dataset", "spec_bench", "harness.workloads dataset or random.")
 _NUM = flags.DEFINE_integer("num_prompts", 24, "Prompts.")
 _CATS = flags.DEFINE_list("categories", None, "Categories (default all).")
 _INPUT_LEN = flags.DEFINE_integer("input_len", 0, "Prompt length of --dataset=random.")

@@ -54,6 +54,14 @@ from harness.kv_memory import method_kv_bytes_per_token
 from harness.reconcile import speedups
 from harness.stats import aggregate, format_mean_std
 from harness.traces import parse_replay, read_jsonl, replay_requests
+from harness.workloads import (
+  RANDOM_DATASET,
+  Prompt,
+  load_prompts,
+  poisson_arrivals,
+  random_prompts,
+  tokenize_prompts,
+)
 from methods.registry import METHODS, make_method, method_options
 from models.layers import small_f32_matmul
 from models.zoo import is_random_name
@@ -67,14 +75,6 @@ from specjax.engine import Engine, bucket
 from specjax.metrics import compile_affected, summarize
 from specjax.request import Request
 from specjax.steps import split_model
-from specjax.workloads import (
-    RANDOM_DATASET,
-    Prompt,
-    load_prompts,
-    poisson_arrivals,
-    random_prompts,
-    tokenize_prompts,
-)
 
 __all__ = [
     "MATMUL_PRECISIONS",
@@ -126,7 +126,7 @@ class EvalConfig:
     method_options: per method name (with its label), keyword options for its config,
       e.g. ``{"eagle": {"head_path": "heads/eagle"}}`` (passed to ``make_method``); ``k``
       sets that method's draft length in place of ``num_speculative_tokens``.
-    dataset: a ``specjax.workloads.DATASETS`` name, or ``"random"``
+    dataset: a ``harness.workloads.DATASETS`` name, or ``"random"``
       (``RANDOM_DATASET``): ``num_prompts`` prompts of ``input_len`` random token ids
       in ``[0, V)`` of the target's vocabulary (``random_prompts``, seeded by ``seed``).
     input_len: prompt length in tokens of ``dataset="random"`` (required there, and
@@ -466,9 +466,76 @@ def _resolve_max_model_len(cfg: EvalConfig, prompts, prompt_ids, context: int,
   return cfg.max_model_len
 
 
+@dataclasses.dataclass(frozen=True)
+class _Loaded:
+  """What the load phase (``_load``) hands the later phases.
+
+  Attributes:
+    methods: method name (``NAME[@LABEL]``) -> constructed method, ``"ar"`` first.
+    needs_draft: the names of ``methods`` that run on the draft model.
+    replay: ``harness.traces.parse_replay(cfg.acceptance)`` (file, method), or None for
+      real acceptance.
+    records: the replay file's records, or None.
+    prompts: the data set's text prompts (read before the models load, so a bad
+      dataset or category fails fast), or None for random or replayed workloads.
+    target, draft: the loaded models (``load_model``); ``draft`` None when no method
+      needs one.
+    target_split, draft_split: ``specjax.steps.split_model`` of each.
+  """
+
+  methods: dict[str, Any]
+  needs_draft: tuple[str, ...]
+  replay: tuple[str, str | None] | None
+  records: list[dict] | None
+  prompts: list[Prompt] | None
+  target: Any
+  draft: Any
+  target_split: Any
+  draft_split: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Workload:
+  """The requests phase's result (``_build_requests``): the same for every engine.
+
+  Attributes:
+    prompts: one ``Prompt`` per request, in request order.
+    requests: the measured requests (arrival seconds, ``max_tokens``, replayed
+      acceptance where replayed); per-repeat seeds are set later (``_repeat_requests``).
+    max_model_len: tokens per sequence every engine is built for.
+    new_tokens: the most new tokens of one request (``cfg.max_new_tokens``, or the
+      records' longest output when replayed).
+    ignore_eos: what the requests carry (True for replayed ones), for the result rows.
+  """
+
+  prompts: list[Prompt]
+  requests: list[Request]
+  max_model_len: int
+  new_tokens: int
+  ignore_eos: bool
+
+
+@dataclasses.dataclass
+class _Passes:
+  """What the passes phase (``_run_passes``) records: result rows (one per method,
+  batch size and repeat, before column ordering), one output record per request of each
+  of those rows, and the warm-up and measured wall seconds."""
+
+  rows: list[dict] = dataclasses.field(default_factory=list)
+  output_records: list[dict] = dataclasses.field(default_factory=list)
+  warmup_s: float = 0.0
+  measure_s: float = 0.0
+
+
 def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = True
                    ) -> pd.DataFrame:
   """Runs ``cfg`` and returns one row per (method, batch size, repeat).
+
+  The phases, each its own function: load (``_load``), requests (``_build_requests``),
+  warm-up requests (``_warmup_requests``), warm-up and measured passes with their rows
+  (``_run_passes``: ``_warmup_pass``, ``_measured_pass``, ``_pass_rows``), the results
+  frame (``_results_frame``), the peer (``_run_peer``), write (``_write``) and report
+  (``_print_report``).
 
   Args:
     cfg: the evaluation.
@@ -485,6 +552,44 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
       without a tokenizer and a text dataset.
   """
   t_start = time.perf_counter()
+  loaded = _load(cfg)
+  workload = _build_requests(cfg, loaded.prompts, loaded.target.tokenizer,
+                             loaded.target.config.vocab_size,
+                             loaded.target.config.max_position_embeddings,
+                             records=loaded.records, replay=loaded.replay)
+  t_loaded = time.perf_counter()
+  mesh = None if cfg.mesh == "none" else sharding.make_mesh(cfg.mesh)
+  static = _static_columns(cfg, workload, loaded.target_split, mesh)
+  warm_requests = _warmup_requests(cfg, workload)
+  passes = _run_passes(cfg, loaded, workload, warm_requests, static, mesh, progress)
+  df = _results_frame(passes.rows, cfg.num_speculative_tokens)
+  peer_df = _run_peer(cfg, df, workload.requests, passes.output_records)
+  total_s = time.perf_counter() - t_start
+  categories = category_table(passes.output_records, df)
+  if cfg.output_dir is not None:
+    _write(cfg, df, passes.output_records, categories, peer_df)
+  if verbose:
+    _print_report(cfg, df, peer_df, static, len(workload.requests),
+                  {"load+tokenize": t_loaded - t_start, "warm-up": passes.warmup_s,
+                   "measured": passes.measure_s, "total": total_s})
+  return df
+
+
+def _load(cfg: EvalConfig) -> _Loaded:
+  """Load phase: the methods, the data set's text prompts and the models.
+
+  Checks what can be checked before the models load (device profile backend, method
+  options, a draft model for the methods that need one, the attention implementation,
+  the data set and categories), turns on the persistent compilation cache, loads the
+  target (and the draft when a method needs it) with ``load_model`` and splits them
+  (``cfg.layer_execution``).
+
+  Raises:
+    ValueError: ``device_profile`` on a CPU backend; bad method options; a method that
+      needs ``draft`` without one; an unknown attention implementation, dataset or
+      category; a text dataset on a target without a tokenizer; draft and target
+      vocabulary sizes that differ.
+  """
   if cfg.device_profile and jax.default_backend() == "cpu":
     raise ValueError("device_profile=True needs a GPU or TPU backend; JAX's backend is 'cpu' "
                      "(a CPU trace has no device track)")
@@ -493,9 +598,9 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   k = cfg.num_speculative_tokens
   methods = {name: _make_method(name, k, cfg.method_options.get(name, {}))
              for name in cfg.methods}
-  needs_draft = [n for n, m in methods.items() if m.capabilities().needs_draft_model]
+  needs_draft = tuple(n for n, m in methods.items() if m.capabilities().needs_draft_model)
   if needs_draft and cfg.draft is None:
-    raise ValueError(f"methods {needs_draft} need a draft model, but draft=None")
+    raise ValueError(f"methods {list(needs_draft)} need a draft model, but draft=None")
   resolve_implementation(cfg.attention_implementation)
   replay = None if cfg.acceptance == "real" else parse_replay(cfg.acceptance)
   records = None if replay is None else read_jsonl(replay[0])
@@ -504,7 +609,6 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   # before the model loads.
   prompts = (None if synthetic or replay else
              load_prompts(cfg.dataset, cfg.num_prompts, cfg.categories, cfg.seed))
-
   if cfg.draft is not None and not needs_draft:
     logging.warning("draft=%r is not loaded: none of %s uses a draft model", cfg.draft,
                     list(methods))
@@ -512,42 +616,74 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   draft = load_model(cfg.draft, cfg.dtype) if needs_draft else None
   # A target without a tokenizer (random weights) has no text, no chat template and no
   # EOS: prompts are token ids, outputs are compared as ids and run to max_new_tokens.
-  tokenizer = target.tokenizer
-  if tokenizer is None and not synthetic and replay is None:
+  if target.tokenizer is None and not synthetic and replay is None:
     raise ValueError(f"target={cfg.target!r} has no tokenizer: dataset={cfg.dataset!r} must "
                      f"be {RANDOM_DATASET!r} (token-id prompts)")
   if draft is not None and draft.config.vocab_size != target.config.vocab_size:
     raise ValueError(f"draft={cfg.draft!r} vocab_size={draft.config.vocab_size} must equal "
                      f"target={cfg.target!r} vocab_size={target.config.vocab_size}")
+  unroll = cfg.layer_execution == "unrolled"
+  return _Loaded(
+      methods=methods, needs_draft=needs_draft, replay=replay, records=records,
+      prompts=prompts, target=target, draft=draft,
+      target_split=split_model(target.model, unroll_layers=unroll),
+      draft_split=split_model(draft.model, unroll_layers=unroll) if draft is not None else None,
+  )
+
+
+def _build_requests(cfg: EvalConfig, prompts: Sequence[Prompt] | None, tokenizer,
+                    vocab_size: int, context: int, *, records: list[dict] | None = None,
+                    replay: tuple[str, str | None] | None = None) -> _Workload:
+  """Requests phase: the prompts as token ids, ``max_model_len`` and the requests.
+
+  Args:
+    cfg: the evaluation.
+    prompts: the data set's prompts (``_load``), or None: ``dataset="random"`` draws
+      ``cfg.num_prompts`` prompts of ``cfg.input_len`` ids in ``[0, vocab_size)``, and a
+      replay takes the first ``cfg.num_prompts`` of ``records``.
+    tokenizer: the target's (``tokenize_prompts``), or None for token-id prompts.
+    vocab_size: V of the target.
+    context: the target's ``max_position_embeddings`` (no sequence may exceed it).
+    records: the replay file's records (with ``replay``), else None.
+    replay: ``parse_replay(cfg.acceptance)`` (file, method), or None.
+
+  Returns:
+    A ``_Workload``: request ``i`` is prompt ``i`` with ``cfg.max_new_tokens`` new tokens
+    (replayed: the record's output length and acceptance, EOS ignored), ``ignore_eos``
+    from ``cfg`` (None: True iff ``tokenizer`` is None), arrival seconds from
+    ``poisson_arrivals(n, cfg.request_rate, cfg.seed)`` online and 0 offline.
+
+  Raises:
+    ValueError: a prompt that tokenizes to nothing, a text prompt without a tokenizer, or
+      one that does not fit ``max_model_len`` or ``context``.
+  """
   replayed = None
-  if synthetic:
-    prompts = random_prompts(cfg.num_prompts, cfg.input_len, target.config.vocab_size, cfg.seed)
-  elif replay is not None:
-    replayed = replay_requests(records, replay[1], vocab_size=target.config.vocab_size,
-                               seed=cfg.seed, num_requests=cfg.num_prompts)
+  if replay is not None:
+    replayed = replay_requests(records, replay[1], vocab_size=vocab_size, seed=cfg.seed,
+                               num_requests=cfg.num_prompts)
     prompts = [Prompt(str(r.request_id), "replay", "replay", "replay", "",
                       token_ids=r.prompt_token_ids) for r in replayed]
+  elif prompts is None:
+    prompts = random_prompts(cfg.num_prompts, cfg.input_len, vocab_size, cfg.seed)
+  prompts = list(prompts)
   prompt_ids = tokenize_prompts(prompts, tokenizer, chat_template=cfg.chat_template)
   new_tokens = (cfg.max_new_tokens if replayed is None
                 else max(r.sampling.max_tokens for r in replayed))
-  max_model_len = _resolve_max_model_len(cfg, prompts, prompt_ids,
-                                         target.config.max_position_embeddings, new_tokens)
+  max_model_len = _resolve_max_model_len(cfg, prompts, prompt_ids, context, new_tokens)
   ignore_eos = tokenizer is None if cfg.ignore_eos is None else cfg.ignore_eos
-  eos_token_ids = () if tokenizer is None else tokenizer.eos_token_ids
-  decode = None if tokenizer is None else tokenizer.decode
   requests = _make_requests(cfg, prompt_ids, prompts, ignore_eos)
   if replayed is not None:  # the records' output lengths and acceptance, EOS ignored
     requests = [dataclasses.replace(r, sampling=dataclasses.replace(
         r.sampling, max_tokens=t.sampling.max_tokens, ignore_eos=True),
         replay_acc_len=t.replay_acc_len) for r, t in zip(requests, replayed)]
-  unroll = cfg.layer_execution == "unrolled"
-  target_split = split_model(target.model, unroll_layers=unroll)
-  draft_split = split_model(draft.model, unroll_layers=unroll) if draft is not None else None
-  t_loaded = time.perf_counter()
+  return _Workload(prompts=prompts, requests=requests, max_model_len=max_model_len,
+                   new_tokens=new_tokens, ignore_eos=ignore_eos if replayed is None else True)
 
-  device = jax.devices()[0]
-  mesh = None if cfg.mesh == "none" else sharding.make_mesh(cfg.mesh)
-  static = {
+
+def _static_columns(cfg: EvalConfig, workload: _Workload, target_split, mesh) -> dict:
+  """The columns every result row of this run shares: model, workload, sampling,
+  engine shape, device, backend, JAX version, mesh and layer execution."""
+  return {
       "model": cfg.target,
       "dataset": cfg.dataset,
       "categories": ",".join(cfg.categories) if cfg.categories else "all",
@@ -555,10 +691,10 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
       "max_new_tokens": cfg.max_new_tokens,
       "temperature": cfg.temperature,
       "request_rate": cfg.request_rate,
-      "max_model_len": max_model_len,
+      "max_model_len": workload.max_model_len,
       "page_size": cfg.page_size,
       "dtype": cfg.dtype,
-      "device": device.device_kind,
+      "device": jax.devices()[0].device_kind,
       "backend": jax.default_backend(),
       "attention_implementation": (",".join(cfg.attention_implementation)
                                    if isinstance(cfg.attention_implementation, tuple)
@@ -568,83 +704,62 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
       "layer_execution": cfg.layer_execution,
       "matmul_precision": cfg.matmul_precision or "default",
       "input_len": cfg.input_len,
-      "ignore_eos": ignore_eos if replayed is None else True,
+      "ignore_eos": workload.ignore_eos,
       "acceptance": cfg.acceptance,
   }
-  greedy = cfg.temperature == 0
-  budget = sum(r.sampling.max_tokens for r in requests)
-  warm_tokens = min(new_tokens, cfg.warmup_tokens or new_tokens)
-  warm_requests = [
+
+
+def _warmup_requests(cfg: EvalConfig, workload: _Workload) -> list[Request]:
+  """Warm-up phase's requests: ``_warmup_subset`` of the workload (a batch of the
+  largest batch size at least), each capped at ``cfg.warmup_tokens`` new tokens (None:
+  uncapped)."""
+  warm_tokens = min(workload.new_tokens, cfg.warmup_tokens or workload.new_tokens)
+  return [
       dataclasses.replace(r, sampling=dataclasses.replace(
           r.sampling, max_tokens=min(warm_tokens, r.sampling.max_tokens)))
-      for r in _warmup_subset(requests, max(cfg.batch_sizes), EngineConfig.min_prefill_bucket,
-                              max_model_len)
+      for r in _warmup_subset(workload.requests, max(cfg.batch_sizes),
+                              EngineConfig.min_prefill_bucket, workload.max_model_len)
   ]
+
+
+def _run_passes(cfg: EvalConfig, loaded: _Loaded, workload: _Workload,
+                warm_requests: Sequence[Request], static: Mapping[str, Any], mesh,
+                progress: bool) -> _Passes:
+  """Warm-up and measured passes phase: per batch size and repeat, fresh engines
+  (``_engines``), the warm-up pass on the first repeat (``_warmup_pass``), one measured
+  pass per method (``_measured_pass``) and its rows (``_pass_rows``); the device
+  profile pass after the last repeat when asked. Runs under ``cfg.matmul_precision``,
+  with one progress bar over every pass (in output tokens)."""
+  budget = sum(r.sampling.max_tokens for r in workload.requests)
   warm_budget = sum(r.sampling.max_tokens for r in warm_requests)
-  passes_tokens = len(cfg.batch_sizes) * len(methods) * (
+  passes_tokens = len(cfg.batch_sizes) * len(loaded.methods) * (
       (cfg.repeats + int(cfg.device_profile)) * budget + int(cfg.warmup) * warm_budget)
-  rows: list[dict] = []
-  output_records: list[dict] = []
-  warmup_s = measure_s = 0.0
+  out = _Passes()
   precision = (jax.default_matmul_precision(cfg.matmul_precision) if cfg.matmul_precision
                else contextlib.nullcontext())
   with precision, contextlib.closing(_Progress(passes_tokens, progress)) as bar:
     for batch in cfg.batch_sizes:
       for rep in range(cfg.repeats):
-        # A fresh engine per repeat (same jitted executables, new KV pool and state) and
-        # a fresh sampling seed per repeat (``_repeat_requests``): repeats sample anew.
-        engine_cfg = EngineConfig(
-            max_num_seqs=batch, max_model_len=max_model_len, page_size=cfg.page_size,
-            attention_implementation=cfg.attention_implementation,
-            verify_implementation=cfg.verify_implementation, seed=cfg.seed + rep,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, mesh=mesh,
-            draft_sharding=cfg.draft_sharding, steps_per_dispatch=cfg.steps_per_dispatch,
-        )
-        engines = {
-            name: Engine(target_split, method,
-                         engine_cfg.replace(acceptance_replay=replay is not None and name != "ar"),
-                         draft=draft_split if name in needs_draft else None,
-                         eos_token_ids=eos_token_ids, decode=decode)
-            for name, method in methods.items()
-        }
+        engines = _engines(cfg, loaded, workload, batch, rep, mesh)
         if cfg.warmup and rep == 0:
-          t0 = time.perf_counter()
-          for name, engine in engines.items():
-            bar.start(f"warm-up {name} b={batch}", warm_budget)
-            # Every step shape the measured passes can meet (decode, verify and prefill
-            # buckets), compiled in threads; the warm-up pass then compiles what is left
-            # (slot admission, a method's own host-called functions).
-            if cfg.precompile:
-              engine.precompile(_fit(engine, requests), num_threads=cfg.precompile_threads)
-            engine.generate(_fit(engine, warm_requests), progress=bar)
-            bar.finish()
-            # Cross-request caches (suffix decoding's global tree, adaptive's estimates)
-            # must not carry the warm-up's responses into the measured pass.
-            engine.runtime.method_cache.clear()
-          warmup_s += time.perf_counter() - t0
-        rep_requests = _repeat_requests(requests, cfg.seed, rep)
+          out.warmup_s += _warmup_pass(cfg, engines, workload.requests, warm_requests,
+                                       batch, bar)
+        rep_requests = _repeat_requests(workload.requests, cfg.seed, rep)
         t0 = time.perf_counter()
-        results = {}
-        for name, engine in engines.items():
-          bar.start(f"{name} b={batch} r={rep}", budget)
-          results[name] = engine.generate(_fit(engine, rep_requests), progress=bar)
-          bar.finish()
-        measure_s += time.perf_counter() - t0
-        ar_outs, ar_metrics = results["ar"]
-        for name, (outs, met) in results.items():
-          row, diverged = _row(name, methods[name], outs, met, ar_outs, ar_metrics,
-                               greedy and replay is None, target_split, cfg)
-          rows.append({**static, "draft": cfg.draft if name in needs_draft else None,
-                       "batch_size": batch, "repeat": rep, **row,
-                       "kv_bytes_per_token": method_kv_bytes_per_token(
-                           methods[name], engines[name].runtime)})
-          output_records.extend(
-              _output_record(name, batch, rep, o, p, diverged, a)
-              for o, p, a in zip(outs, prompts, compile_affected(outs, met.compile_windows))
-          )
+        results = _measured_pass(engines, rep_requests, batch, rep, budget, bar)
+        out.measure_s += time.perf_counter() - t0
+        kv_bytes = {name: method_kv_bytes_per_token(loaded.methods[name], engine.runtime)
+                    for name, engine in engines.items()}
+        rows, records = _pass_rows(
+            cfg, loaded.methods, results, workload.prompts, static, batch=batch, rep=rep,
+            needs_draft=loaded.needs_draft, kv_bytes=kv_bytes,
+            check_lossless=cfg.temperature == 0 and loaded.replay is None,
+            target_split=loaded.target_split)
+        out.rows.extend(rows)
+        out.output_records.extend(records)
         if cfg.device_profile and rep == cfg.repeats - 1:
           bar.start(f"device profile b={batch}", budget * len(engines))
-          _device_profile(engines, rep_requests, rows, batch, cfg.output_dir, bar)
+          _device_profile(engines, rep_requests, out.rows, batch, cfg.output_dir, bar)
           bar.finish()
         del engines
       if jax.default_backend() == "cpu":
@@ -654,7 +769,115 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
         # batch 1). The next batch size compiles its own shapes (or loads them from the
         # persistent cache) in its warm-up, so its measured passes are unaffected.
         jax.clear_caches()
-  df = _order_columns(pd.DataFrame(rows), k)
+  return out
+
+
+def _engines(cfg: EvalConfig, loaded: _Loaded, workload: _Workload, batch: int, rep: int,
+             mesh) -> dict[str, Engine]:
+  """One ``Engine`` per method for one (batch size, repeat): ``max_num_seqs=batch``,
+  sampling seed ``cfg.seed + rep``. A fresh engine per repeat (same jitted executables,
+  new KV pool and state); SD methods replay acceptance when ``cfg.acceptance`` says so."""
+  engine_cfg = EngineConfig(
+      max_num_seqs=batch, max_model_len=workload.max_model_len, page_size=cfg.page_size,
+      attention_implementation=cfg.attention_implementation,
+      verify_implementation=cfg.verify_implementation, seed=cfg.seed + rep,
+      max_num_batched_tokens=cfg.max_num_batched_tokens, mesh=mesh,
+      draft_sharding=cfg.draft_sharding, steps_per_dispatch=cfg.steps_per_dispatch,
+  )
+  tokenizer = loaded.target.tokenizer
+  return {
+      name: Engine(loaded.target_split, method,
+                   engine_cfg.replace(acceptance_replay=loaded.replay is not None
+                                      and name != "ar"),
+                   draft=loaded.draft_split if name in loaded.needs_draft else None,
+                   eos_token_ids=() if tokenizer is None else tokenizer.eos_token_ids,
+                   decode=None if tokenizer is None else tokenizer.decode)
+      for name, method in loaded.methods.items()
+  }
+
+
+def _warmup_pass(cfg: EvalConfig, engines: Mapping[str, Engine], requests: Sequence[Request],
+                 warm_requests: Sequence[Request], batch: int, bar) -> float:
+  """Warm-up phase, untimed: per engine, precompile every step shape the measured
+  passes can meet (``cfg.precompile``, in ``cfg.precompile_threads`` threads), then run
+  ``warm_requests`` (compiling what is left: slot admission, a method's own host-called
+  functions), then clear the method's cross-request cache. Returns its wall seconds."""
+  t0 = time.perf_counter()
+  warm_budget = sum(r.sampling.max_tokens for r in warm_requests)
+  for name, engine in engines.items():
+    bar.start(f"warm-up {name} b={batch}", warm_budget)
+    if cfg.precompile:
+      engine.precompile(_fit(engine, requests), num_threads=cfg.precompile_threads)
+    engine.generate(_fit(engine, warm_requests), progress=bar)
+    bar.finish()
+    # Cross-request caches (suffix decoding's global tree, adaptive's estimates)
+    # must not carry the warm-up's responses into the measured pass.
+    engine.runtime.method_cache.clear()
+  return time.perf_counter() - t0
+
+
+def _measured_pass(engines: Mapping[str, Engine], requests: Sequence[Request], batch: int,
+                   rep: int, budget: int, bar) -> dict[str, tuple[list, Any]]:
+  """Measured passes phase, one repeat: every engine generates ``requests`` in turn.
+
+  Returns:
+    method name -> (``RequestOutput`` s in request order, ``RunMetrics``).
+  """
+  results = {}
+  for name, engine in engines.items():
+    bar.start(f"{name} b={batch} r={rep}", budget)
+    results[name] = engine.generate(_fit(engine, requests), progress=bar)
+    bar.finish()
+  return results
+
+
+def _pass_rows(cfg: EvalConfig, methods: Mapping[str, Any],
+               results: Mapping[str, tuple[Sequence, Any]], prompts: Sequence[Prompt],
+               static: Mapping[str, Any], *, batch: int, rep: int,
+               needs_draft: Sequence[str], kv_bytes: Mapping[str, int],
+               check_lossless: bool, target_split) -> tuple[list[dict], list[dict]]:
+  """Rows phase: the result rows and output records of one measured pass.
+
+  Args:
+    cfg: the evaluation.
+    methods: name -> method, as ``results`` (``"ar"`` among them: the reference).
+    results: name -> (outputs in request order, ``RunMetrics``), from ``_measured_pass``.
+    prompts: the requests' prompts, in request order (categories of the records).
+    static: ``_static_columns`` (leading columns of every row).
+    batch, rep: the batch size and repeat of the pass.
+    needs_draft: names of the methods that ran on ``cfg.draft``.
+    kv_bytes: name -> device KV bytes per context token (``kv_bytes_per_token``).
+    check_lossless: compare each SD method's outputs with AR's (greedy, real acceptance):
+      sets ``lossless``, ``num_mismatched`` and the divergence columns, which need
+      ``target_split`` (``harness.divergence``) where outputs differ.
+    target_split: the target model, for the divergence margins.
+
+  Returns:
+    (one row per method in ``results`` order, one output record per request and method).
+
+  Raises:
+    KeyError: ``results`` without ``"ar"``.
+  """
+  ar_outs, ar_metrics = results["ar"]
+  rows, records = [], []
+  for name, (outs, met) in results.items():
+    row, diverged = _row(name, methods[name], outs, met, ar_outs, ar_metrics,
+                         check_lossless, target_split, cfg)
+    rows.append({**static, "draft": cfg.draft if name in needs_draft else None,
+                 "batch_size": batch, "repeat": rep, **row,
+                 "kv_bytes_per_token": kv_bytes[name]})
+    records.extend(
+        _output_record(name, batch, rep, o, p, diverged, a)
+        for o, p, a in zip(outs, prompts, compile_affected(outs, met.compile_windows))
+    )
+  return rows, records
+
+
+def _results_frame(rows: Sequence[dict], k: int) -> pd.DataFrame:
+  """Rows phase, whole run: the rows as a frame in column order (``_LEADING``, then
+  per-position acceptance up to ``k``), plus what actually ran in this process: the
+  paged-attention and verify backends and the small full-f32 matmul setting."""
+  df = _order_columns(pd.DataFrame(list(rows)), k)
   # What actually ran (the requested list can fall through, e.g. pallas_gpu -> reference
   # for f32): every paged-attention backend traced in this process up to now.
   df["attention_backends_used"] = ",".join(implementations_used())
@@ -665,46 +888,57 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = True, verbose: bool = Tr
   impl, max_rows = small_f32_matmul()
   df["small_f32_matmul"] = f"{impl}:{max_rows}" + (
       f" ({','.join(small_matmul_backends())})" if small_matmul_backends() else "")
-  peer_df = None
-  if cfg.peer == "hf":
-    from harness import hf_peer  # noqa: PLC0415
-
-    peer_df = hf_peer.run_peer(cfg, requests, output_records)
-    if peer_df is not None:  # specjax's rows of the same batch beside HF's
-      b = min(cfg.batch_sizes)
-      mine = df[df["batch_size"] == b].groupby("method", sort=False)["tokens_per_s"].mean()
-      peer_df = pd.concat([pd.DataFrame({"peer": [f"specjax_{m}" for m in mine.index],
-                                         "batch_size": b, "tokens_per_s": mine.to_numpy()}),
-                           peer_df], ignore_index=True)
-  total_s = time.perf_counter() - t_start
-  categories = category_table(output_records, df)
-  if cfg.output_dir is not None:
-    _write(cfg, df, output_records, categories, peer_df)
-  if verbose:
-    compiles = int(df["num_compiles"].sum())
-    print(summary_table(df).to_string(index=False))
-    if peer_df is not None and len(peer_df):
-      print("\npeer (same prompt ids):")
-      print(peer_df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    notes = df[df["notes"].astype(bool)]
-    for _, r in notes.iterrows():
-      print(f"notes {r['method']} b={r['batch_size']} r={r['repeat']}: {r['notes']}")
-    rate = f", {cfg.request_rate:g} requests/s (Poisson)" if cfg.request_rate else ", offline"
-    workload = (f"{cfg.dataset} x{cfg.num_prompts}, {cfg.max_new_tokens} new tokens"
-                if replay is None else f"{cfg.acceptance} x{len(requests)} (the records' "
-                "lengths; acceptance replayed, not verified)")
-    print(f"\n{cfg.target} on {static['device']} ({static['backend']}), {workload}, "
-          f"T={cfg.temperature}{rate}, "
-          f"{cfg.repeats} repeats (mean ± std); time: load+tokenize {t_loaded - t_start:.1f}s, "
-          f"warm-up {warmup_s:.1f}s, measured {measure_s:.1f}s, total {total_s:.1f}s; "
-          f"compiles in measured passes: {compiles}")
-    if compiles and cfg.warmup:
-      print("note: measured passes compiled; their compiled steps are left out of decode "
-            "times and the requests alive meanwhile out of latencies")
-    if cfg.output_dir is not None:
-      print(f"wrote {cfg.output_dir}/: results.csv, results.json, categories.csv, "
-            "outputs.jsonl" + (", figures (*.png)" if cfg.plots else ""))
   return df
+
+
+def _run_peer(cfg: EvalConfig, df: pd.DataFrame, requests: Sequence[Request],
+              output_records: list[dict]) -> pd.DataFrame | None:
+  """``cfg.peer="hf"``: Hugging Face transformers on the same prompt ids, with
+  specjax's rows of the smallest batch size beside them; None without a peer (or when
+  torch/transformers are absent)."""
+  if cfg.peer != "hf":
+    return None
+  from harness import hf_peer  # noqa: PLC0415
+
+  peer_df = hf_peer.run_peer(cfg, requests, output_records)
+  if peer_df is None:
+    return None
+  b = min(cfg.batch_sizes)  # specjax's rows of the same batch beside HF's
+  mine = df[df["batch_size"] == b].groupby("method", sort=False)["tokens_per_s"].mean()
+  return pd.concat([pd.DataFrame({"peer": [f"specjax_{m}" for m in mine.index],
+                                  "batch_size": b, "tokens_per_s": mine.to_numpy()}),
+                    peer_df], ignore_index=True)
+
+
+def _print_report(cfg: EvalConfig, df: pd.DataFrame, peer_df: pd.DataFrame | None,
+                  static: Mapping[str, Any], num_requests: int,
+                  times_s: Mapping[str, float]) -> None:
+  """Report phase: prints the summary table, the peer's rows, each row's notes, the
+  run's workload and phase times in seconds (``times_s``: load+tokenize, warm-up,
+  measured, total), compiles in measured passes and the files written."""
+  compiles = int(df["num_compiles"].sum())
+  print(summary_table(df).to_string(index=False))
+  if peer_df is not None and len(peer_df):
+    print("\npeer (same prompt ids):")
+    print(peer_df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+  notes = df[df["notes"].astype(bool)]
+  for _, r in notes.iterrows():
+    print(f"notes {r['method']} b={r['batch_size']} r={r['repeat']}: {r['notes']}")
+  rate = f", {cfg.request_rate:g} requests/s (Poisson)" if cfg.request_rate else ", offline"
+  workload = (f"{cfg.dataset} x{cfg.num_prompts}, {cfg.max_new_tokens} new tokens"
+              if cfg.acceptance == "real" else f"{cfg.acceptance} x{num_requests} (the "
+              "records' lengths; acceptance replayed, not verified)")
+  times = ", ".join(f"{name} {s:.1f}s" for name, s in times_s.items())
+  print(f"\n{cfg.target} on {static['device']} ({static['backend']}), {workload}, "
+        f"T={cfg.temperature}{rate}, "
+        f"{cfg.repeats} repeats (mean ± std); time: {times}; "
+        f"compiles in measured passes: {compiles}")
+  if compiles and cfg.warmup:
+    print("note: measured passes compiled; their compiled steps are left out of decode "
+          "times and the requests alive meanwhile out of latencies")
+  if cfg.output_dir is not None:
+    print(f"wrote {cfg.output_dir}/: results.csv, results.json, categories.csv, "
+          "outputs.jsonl" + (", figures (*.png)" if cfg.plots else ""))
 
 
 def _device_profile(engines: Mapping[str, Engine], requests, rows: list[dict], batch: int,

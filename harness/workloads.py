@@ -1,6 +1,6 @@
 """Benchmark workloads: prompts from the packaged data sets, Poisson arrivals, tokenization.
 
-The data files live in ``specjax/data/<folder>/`` with a ``SOURCE.md`` each (origin,
+The data files live in ``harness/data/<folder>/`` with a ``SOURCE.md`` each (origin,
 commit, sha256, licence, schema). ``load_prompts`` turns one data set into a
 deterministic list of ``Prompt`` s:
 
@@ -115,7 +115,7 @@ class Prompt:
 
 
 def _data_file(folder: str, name: str):
-  return importlib.resources.files("specjax").joinpath("data", folder, name)
+  return importlib.resources.files("harness").joinpath("data", folder, name)
 
 
 def _jsonl(folder: str, name: str) -> list[dict]:
