@@ -48,7 +48,8 @@ import numpy as np
 import pandas as pd
 from absl import logging
 
-from harness.device_time import device_busy_seconds, op_sources, top_ops
+from harness.build import build_method, load_model, method_base
+from harness.device_time import device_busy_seconds, ops_table
 from harness.divergence import divergence, first_divergence
 from harness.kv_memory import method_kv_bytes_per_token
 from harness.reconcile import speedups
@@ -62,7 +63,7 @@ from harness.workloads import (
   random_prompts,
   tokenize_prompts,
 )
-from methods.registry import METHODS, make_method, method_options
+from methods.registry import METHODS
 from models.layers import small_f32_matmul
 from models.zoo import is_random_name
 from pallas_kernels.paged_attention import implementations_used, resolve_implementation
@@ -334,40 +335,6 @@ def _check_verify_implementation(value) -> None:
                      f"{jax.default_backend()!r}); add 'reference' or leave it unset")
 
 
-def method_base(name: str) -> str:
-  """The registry name of a method name with an optional label: ``"eagle3@tree"`` ->
-  ``"eagle3"``."""
-  return name.split("@", 1)[0]
-
-
-def _make_method(name: str, k: int, options: Mapping[str, Any]):
-  """The method ``name`` (``NAME[@LABEL]``) with ``options``; an option ``k`` overrides
-  ``num_speculative_tokens`` for it."""
-  base = method_base(name)
-  options = dict(options)
-  if "k" in options:
-    k = options.pop("k")
-    if not isinstance(k, int) or isinstance(k, bool):
-      raise ValueError(f"method_options for {name!r}: k={k!r} must be an int")
-  allowed = method_options(METHODS[base]) if base in METHODS else []
-  unknown = sorted(set(options) - set(allowed))
-  if base in METHODS and unknown:  # k comes from num_speculative_tokens
-    raise ValueError(f"method_options for {name!r} ({dict(options)}) are not all options "
-                     f"of that method ({unknown} unknown); its options: {allowed}")
-  try:
-    return make_method(base, k, **options)
-  except TypeError as e:  # e.g. a string where a number is compared
-    raise ValueError(f"method_options for {name!r} ({dict(options)}): a value has the wrong "
-                     f"type ({e})") from e
-
-
-def load_model(name_or_path: str, dtype: str):
-  """``models.zoo.load_model`` (imported on use; tests replace this function)."""
-  from models.zoo import load_model as zoo_load  # noqa: PLC0415
-
-  return zoo_load(name_or_path, dtype=dtype)
-
-
 def default_output_dir(root: str = "results") -> str:
   """``results/<YYYYmmdd-HHMMSS>``."""
   return os.path.join(root, datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
@@ -596,7 +563,7 @@ def _load(cfg: EvalConfig) -> _Loaded:
   if cfg.compilation_cache:
     enable_compilation_cache()
   k = cfg.num_speculative_tokens
-  methods = {name: _make_method(name, k, cfg.method_options.get(name, {}))
+  methods = {name: build_method(name, k, cfg.method_options.get(name, {}))
              for name in cfg.methods}
   needs_draft = tuple(n for n, m in methods.items() if m.capabilities().needs_draft_model)
   if needs_draft and cfg.draft is None:
@@ -959,12 +926,7 @@ def _device_profile(engines: Mapping[str, Engine], requests, rows: list[dict], b
       device_ms[name] = 1e3 * (device_busy_seconds(trace_dir) - met.prefill_s) / steps
       if output_dir is not None:
         os.makedirs(output_dir, exist_ok=True)
-        ops = pd.DataFrame(top_ops(trace_dir, steps, fold=False),
-                           columns=["op", "ms_per_step", "calls_per_step"])
-        sources = op_sources(trace_dir)
-        for key in ("hlo_module", "hlo_op"):
-          ops[key] = [sources.get(op, {}).get(key, "") for op in ops["op"]]
-        ops.to_csv(os.path.join(output_dir, f"ops_{name}_b{batch}.csv"), index=False)
+        pd.DataFrame(ops_table(trace_dir, steps)).to_csv(os.path.join(output_dir, f"ops_{name}_b{batch}.csv"), index=False)
   for row in rows:
     if row["batch_size"] == batch and row["method"] in device_ms:
       row["device_ms"] = device_ms[row["method"]]

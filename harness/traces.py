@@ -427,13 +427,13 @@ def run_traces(cfg: TraceConfig) -> str:
 
   import jax  # noqa: PLC0415
 
-  from harness.evaluation import _make_method, load_model  # noqa: PLC0415
+  from harness.build import build_method, load_model  # noqa: PLC0415
   from harness.workloads import load_prompts, random_prompts, tokenize_prompts  # noqa: PLC0415
   from specjax.config import EngineConfig, SamplingParams  # noqa: PLC0415
   from specjax.request import Request  # noqa: PLC0415
   from specjax.steps import split_model  # noqa: PLC0415
 
-  methods = {name: _make_method(name, cfg.k_max, cfg.method_options.get(name, {}))
+  methods = {name: build_method(name, cfg.k_max, cfg.method_options.get(name, {}))
              for name in cfg.methods}
   needs_draft = [n for n, m in methods.items() if m.capabilities().needs_draft_model]
   if needs_draft and cfg.draft is None:

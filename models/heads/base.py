@@ -41,23 +41,23 @@ class DraftHead(nnx.Module, abc.ABC):
 
   Attributes:
     cfg: the ``HeadConfig``.
+    kind: the ``HeadConfig.kind`` of this class (``models.heads.registry`` maps it back).
     num_feature_layers: entries of ``HeadConfig.feature_layers`` the kind reads.
     reduced_vocab: whether ``HeadConfig.draft_vocab_size`` may be set.
     has_modules: whether ``HeadConfig.num_modules`` counts the head's modules (the
       longest chain it drafts) rather than being 1.
   """
 
+  kind: ClassVar[str] = ""  # the kind name the registry maps to this class
   num_feature_layers: ClassVar[int] = 1
   reduced_vocab: ClassVar[bool] = False
   has_modules: ClassVar[bool] = False
 
   def __init__(self, cfg: HeadConfig, draft_to_target=None):
-    """Checks that ``cfg.kind`` names this class (or a base of it) and stores ``cfg``."""
-    from models.heads.registry import head_class  # noqa: PLC0415 (the registry imports heads)
-
-    if not isinstance(self, head_class(cfg.kind)):
+    """Checks that ``cfg.kind`` is this class's ``kind`` and stores ``cfg``."""
+    if cfg.kind != self.kind:
       raise ValueError(f"kind={cfg.kind!r} must name {type(self).__name__} in the head "
-                       "registry")
+                       f"registry (kind {self.kind!r})")
     if draft_to_target is not None and cfg.draft_vocab_size is None:
       raise ValueError("draft_to_target is only for eagle3 heads with draft_vocab_size")
     self.cfg = cfg

@@ -193,6 +193,8 @@ class Eagle1Head(EagleHead):
   LM head reads the output directly. Params: ``fc f32[2D, D]``, ``attn_norm f32[D]``,
   ``layer`` (``HeadLayer``, attention input D wide)."""
 
+  kind = "eagle"
+
   def __init__(self, cfg: HeadConfig, rng: np.random.Generator, draft_to_target=None):
     super().__init__(cfg, draft_to_target)
     d = cfg.hidden_size
@@ -218,6 +220,8 @@ class Eagle3Head(EagleHead):
   ``embed_norm``, ``hidden_norm``, ``out_norm`` ``f32[D]``, ``layer`` (attention input 2D
   wide); with ``draft_vocab_size`` V' also ``lm_head f32[D, V']`` and the non-trainable
   ``d2t i32[V']`` (``VocabMap``)."""
+
+  kind = "eagle3"
 
   num_feature_layers = 3
   reduced_vocab = True

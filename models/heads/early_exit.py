@@ -40,6 +40,8 @@ class EarlyExitHead(DraftHead):
   ``proj f32[D, D]``.
   """
 
+  kind = "early_exit"
+
   def __init__(self, cfg: HeadConfig, rng: np.random.Generator, draft_to_target=None):
     del rng  # deterministic init: the identity map
     super().__init__(cfg, draft_to_target)

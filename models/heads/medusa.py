@@ -44,6 +44,8 @@ class MedusaHead(DraftHead):
   Params: ``blocks[j]`` with ``w f32[D, D]`` and ``b f32[D]``.
   """
 
+  kind = "medusa"
+
   has_modules = True
 
   def __init__(self, cfg: HeadConfig, rng: np.random.Generator, draft_to_target=None):

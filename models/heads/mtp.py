@@ -73,6 +73,8 @@ class MTPHead(DraftHead):
   ``f32[D]``, ``proj f32[2D, D]`` and ``layer`` (``HeadLayer``, attention input D wide).
   """
 
+  kind = "mtp"
+
   has_modules = True
 
   def __init__(self, cfg: HeadConfig, rng: np.random.Generator, draft_to_target=None):

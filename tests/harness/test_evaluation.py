@@ -11,6 +11,7 @@ from absl import flags
 from absl.testing import flagsaver
 
 from harness import evaluation
+from harness.build import build_method, method_base
 from harness.evaluation import EvalConfig, first_divergence, run_evaluation
 from models import testing
 
@@ -234,13 +235,13 @@ def test_labelled_method_variants_share_one_ar_run(tiny_models):
   assert configs["ngram@n1"]["n_max"] == 1 and configs["ngram@n3"]["n_max"] == 3
   assert configs["ngram@n1"]["k"] == 2 and configs["ngram@n3"]["k"] == 3  # per-method k
   assert df[df.method != "ar"].lossless.tolist() == [True, True]
-  assert evaluation.method_base("ngram@n1") == "ngram"
+  assert method_base("ngram@n1") == "ngram"
   for bad, match in (("ngram@", "non-empty LABEL"), ("ar@x", "'ar' takes none"),
                      ("ngram@a.b", "without '.'"), ("nope@x", "unknown")):
     with pytest.raises(ValueError, match=match):
       EvalConfig(target="tiny-target", methods=(bad,))
   with pytest.raises(ValueError, match="k='2' must be an int"):
-    evaluation._make_method("ngram@s", 3, {"k": "2"})
+    build_method("ngram@s", 3, {"k": "2"})
 
 
 def test_device_profile_sets_device_columns_and_ops(monkeypatch, tmp_path):
@@ -249,9 +250,9 @@ def test_device_profile_sets_device_columns_and_ops(monkeypatch, tmp_path):
   is ``harness.device_time``'s; CPU traces have no device track)."""
   busy = iter([0.9, 0.7])  # seconds: ar, then ngram
   monkeypatch.setattr(evaluation, "device_busy_seconds", lambda d: next(busy))
-  monkeypatch.setattr(evaluation, "top_ops", lambda d, steps, fold: [("fusion", 0.1, 2)])
-  monkeypatch.setattr(evaluation, "op_sources",
-                      lambda d: {"fusion": {"hlo_module": "jit_step", "hlo_op": "fusion.3"}})
+  monkeypatch.setattr(evaluation, "ops_table", lambda d, steps: [dict(
+      op="fusion", ms_per_step=0.1, calls_per_step=2, hlo_module="jit_step",
+      hlo_op="fusion.3")])
 
   class FakeEngine:
     def __init__(self, steps):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from harness import evaluation
+from harness.build import build_method
 from harness.divergence import Divergence
 from harness.evaluation import EvalConfig
 from harness.workloads import load_prompts, poisson_arrivals
@@ -74,7 +75,7 @@ def _out(rid, tokens):
 
 def test_rows_phase_from_recorded_pass_results(monkeypatch):
   cfg = EvalConfig(methods=("ar", "ngram"), num_speculative_tokens=2)
-  methods = {n: evaluation._make_method(n, 2, {}) for n in cfg.methods}
+  methods = {n: build_method(n, 2, {}) for n in cfg.methods}
   prompts = load_prompts("mt_bench", 2, None, 0)
   # AR: 8 tokens in 8 row-steps; ngram: the same 8 tokens of request 0, request 1 parts
   # from AR at output position 2, 8 tokens in 4 row-steps (tau 2).

@@ -86,3 +86,8 @@ def test_a_class_rejects_a_config_of_another_kind():
 
 def test_package_exports_resolve():
   assert all(hasattr(models.heads, name) for name in models.heads.__all__)
+
+
+def test_every_registered_class_names_its_own_kind():
+  for name, cls in HEAD_CLASSES.items():
+    assert cls.kind == name
