@@ -49,7 +49,7 @@ import numpy as np
 from flax import nnx
 
 from methods.draft_model import continue_chain, draft_pick
-from models.heads import HeadConfig, load_head
+from models.heads import EarlyExitHead, HeadConfig, head_class, load_head
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.method import Capabilities, Draft, Method
 from specjax.sampling import is_greedy
@@ -152,7 +152,7 @@ class LayerSkip(Method):
 
       object.__setattr__(self, "adapter_path", resolve_head_path(self.adapter_path))
       cfg = self._adapter_config()
-      if cfg.kind != "early_exit":
+      if head_class(cfg.kind) is not EarlyExitHead:
         raise ValueError(f"head at adapter_path={self.adapter_path!r} has kind={cfg.kind!r}; "
                          "layerskip needs an 'early_exit' head")
       exit_of_adapter = cfg.feature_layers[0]

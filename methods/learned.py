@@ -52,7 +52,7 @@ import numpy as np
 from flax import nnx
 
 from methods.draft_model import entropy_nats
-from models.heads import HeadConfig, load_head, make_head
+from models.heads import HeadConfig, head_class, load_head, make_head
 from specjax.config import MATMUL_PRECISIONS
 from specjax.method import (
     Capabilities,
@@ -373,7 +373,7 @@ class LearnedHeadMethod(Method):
 
   def head_config(self, target_config) -> HeadConfig:
     """Config of the random head built when ``head_path`` is None."""
-    extra = {"num_modules": self.k} if self.kind in ("mtp", "medusa") else {}
+    extra = {"num_modules": self.k} if head_class(self.kind).has_modules else {}
     return HeadConfig.for_target(self.kind, target_config, feature_layers=self.feature_layers,
                                  window=self.drafting_window, **extra)
 
@@ -387,7 +387,7 @@ class LearnedHeadMethod(Method):
       head = load_head(self.head_path, runtime.target.config)
     else:
       head = make_head(self.head_config(runtime.target.config), self.seed)
-    if head.cfg.kind in ("mtp", "medusa") and self.k > head.cfg.num_modules:
+    if type(head).has_modules and self.k > head.cfg.num_modules:
       raise ValueError(f"k={self.k} must be <= the head's num_modules={head.cfg.num_modules}")
     return head
 

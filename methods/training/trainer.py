@@ -31,7 +31,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from methods.training.data import TokenDataset, batch_indices, draft_vocabulary
-from models.heads import HEAD_KINDS, HeadConfig, make_head, save_head
+from models.heads import HEAD_KINDS, HeadConfig, head_class, make_head, save_head
 from models.llama import init_kv_caches
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.steps import SplitModel, split_model
@@ -100,9 +100,11 @@ class TrainConfig:
       raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
     if self.depth is not None and self.depth < 1:
       raise ValueError(f"depth={self.depth} must be >= 1")
-    if self.kind == "early_exit" and self.train_depth != 1:
-      raise ValueError(f"depth={self.depth} must be 1 (or None) for kind='early_exit'")
-    if self.kind in ("mtp", "medusa") and self.train_depth > self.num_modules:
+    head = head_class(self.kind)
+    if head.max_train_depth is not None and self.train_depth > head.max_train_depth:
+      raise ValueError(f"depth={self.depth} must be <= {head.max_train_depth} (or None) for "
+                       f"kind={self.kind!r}")
+    if head.has_modules and self.train_depth > self.num_modules:
       raise ValueError(f"depth={self.depth} must be <= num_modules={self.num_modules}")
     if self.feature_layers is not None:
       object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
@@ -111,10 +113,11 @@ class TrainConfig:
   def train_depth(self) -> int:
     if self.depth is not None:
       return self.depth
-    return {"eagle": 1, "eagle3": 3, "early_exit": 1}.get(self.kind, self.num_modules)
+    default = head_class(self.kind).train_depth
+    return self.num_modules if default is None else default
 
   def head_config(self, target) -> HeadConfig:
-    extra = {"num_modules": self.num_modules} if self.kind in ("mtp", "medusa") else {}
+    extra = {"num_modules": self.num_modules} if head_class(self.kind).has_modules else {}
     if self.feature_layers is not None:
       extra["feature_layers"] = self.feature_layers
     return HeadConfig.for_target(self.kind, target, window=self.window,
@@ -206,7 +209,7 @@ def _loss(params, rest, head_graphdef, target, tokens, lengths, prompt_lengths, 
     count = jnp.maximum(valid.sum(), 1)
     ce = jnp.sum(jnp.where(in_vocab, nll, 0.0)) / count
     w = 0.8**u
-    if cfg.kind == "eagle":  # regress the next feature f_{q+1}
+    if type(head).regresses_features:  # regress the next feature f_{q+1}
       nxt = jnp.concatenate([feats[:, 1:], jnp.zeros_like(feats[:, :1])], 1)
       reg = jnp.sum(jnp.where(valid[..., None], optax.huber_loss(g, nxt), 0.0)) / count
       total = total + w * (reg + 0.1 * ce)

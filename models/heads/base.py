@@ -46,12 +46,21 @@ class DraftHead(nnx.Module, abc.ABC):
     reduced_vocab: whether ``HeadConfig.draft_vocab_size`` may be set.
     has_modules: whether ``HeadConfig.num_modules`` counts the head's modules (the
       longest chain it drafts) rather than being 1.
+    train_depth: the draft depth training unrolls by default (None: ``num_modules``).
+    max_train_depth: the deepest training may unroll (None: no limit beyond
+      ``num_modules`` for kinds ``has_modules``).
+    regresses_features: whether training also regresses the next target feature
+      (EAGLE-1's feature loss, Li et al. 2024, "EAGLE: Speculative Sampling Requires
+      Rethinking Feature Uncertainty").
   """
 
   kind: ClassVar[str] = ""  # the kind name the registry maps to this class
   num_feature_layers: ClassVar[int] = 1
   reduced_vocab: ClassVar[bool] = False
   has_modules: ClassVar[bool] = False
+  train_depth: ClassVar[int | None] = None
+  max_train_depth: ClassVar[int | None] = None
+  regresses_features: ClassVar[bool] = False
 
   def __init__(self, cfg: HeadConfig, draft_to_target=None):
     """Checks that ``cfg.kind`` is this class's ``kind`` and stores ``cfg``."""

@@ -194,6 +194,8 @@ class Eagle1Head(EagleHead):
   ``layer`` (``HeadLayer``, attention input D wide)."""
 
   kind = "eagle"
+  train_depth = 1
+  regresses_features = True
 
   def __init__(self, cfg: HeadConfig, rng: np.random.Generator, draft_to_target=None):
     super().__init__(cfg, draft_to_target)
@@ -222,6 +224,7 @@ class Eagle3Head(EagleHead):
   ``d2t i32[V']`` (``VocabMap``)."""
 
   kind = "eagle3"
+  train_depth = 3
 
   num_feature_layers = 3
   reduced_vocab = True

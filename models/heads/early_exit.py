@@ -41,6 +41,8 @@ class EarlyExitHead(DraftHead):
   """
 
   kind = "early_exit"
+  train_depth = 1
+  max_train_depth = 1
 
   def __init__(self, cfg: HeadConfig, rng: np.random.Generator, draft_to_target=None):
     del rng  # deterministic init: the identity map

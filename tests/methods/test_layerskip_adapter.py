@@ -98,7 +98,7 @@ def test_adapter_errors(target, tmp_path):
   with pytest.raises(ValueError, match=r"must be in \[1, 1\]"):
     HeadConfig.for_target("early_exit", target.config, feature_layers=(2,)).check_target(
         target.config)
-  with pytest.raises(ValueError, match="depth=2 must be 1"):
+  with pytest.raises(ValueError, match="depth=2 must be <= 1"):
     TrainConfig(kind="early_exit", depth=2)
   from models.heads import save_head  # noqa: PLC0415
 
