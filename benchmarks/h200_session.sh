@@ -277,6 +277,22 @@ for step in "$@"; do
             --output_dir="${SPECJAX_CACHE:?}/heads/smollm2-135m-eagle3-v$n"
         done
       fi ;;
+    eagle3_recipes)  # variants of the zoo EAGLE-3 head's recipe, one after the other on
+      # one regeneration of the data: E3_RECIPES lists LABEL:FLAGS (FLAGS comma-separated,
+      # appended to the zoo command) -> $SPECJAX_CACHE/heads/smollm2-135m-eagle3-LABEL
+      # (a training run; eagle3_compare reads it as VOCAB=LABEL)
+      cmd=$(python3 -c "from models.zoo import HEADS; print(HEADS['smollm2-135m-eagle3'].command)")
+      first=
+      for recipe in ${E3_RECIPES:-hard:--draft_vocab_size=16384 soft:--draft_vocab_size=16384,--soft_labels}; do
+        label=${recipe%%:*}; extra=${recipe#*:}; dir=$SPECJAX_CACHE/heads/smollm2-135m-eagle3-$label
+        mkdir -p "$dir"
+        [ -n "$first" ] && cp "$first"/data.npz "$first"/data.json "$dir"/
+        c=${cmd#python }; c=${c/--head_name=smollm2-135m-eagle3/--output_dir=$dir}
+        run "train_e3_$label" timeout "${HEAD_TIMEOUT:-1500}" python3 $c ${extra//,/ } \
+          ${TRAIN_ARGS:-}
+        cp "$dir/metrics.csv" "$OUT/train_e3_${label}_metrics.csv" 2>/dev/null
+        [ -z "$first" ] && first=$dir
+      done ;;
     eagle3_trees)  # the zoo EAGLE-3 head on MT-Bench drafting fused chains and EAGLE-2
       # trees: E3_TREES lists K:NODES:BRANCHING[:VOCAB] (NODES 0 = a chain of K drafts;
       # VOCAB, e.g. v16384, picks the prune_heads copy)

@@ -78,10 +78,7 @@ def main(argv):
     ids, coverage, counted, held = _count_vocabulary(loaded.tokenizer, cfg.vocab_size)
     print(f"V'={len(ids)} of V={cfg.vocab_size}: covers {coverage:.4f} of {held} held-out "
           f"response tokens ({counted} token slots counted)")
-  model = loaded.model
-  lm_weight = (np.asarray(model.embed[...]).T if cfg.tie_word_embeddings
-               else np.asarray(model.lm_head[...]))
-  pruned = restrict_draft_vocab(head, lm_weight, ids)
+  pruned = restrict_draft_vocab(head, np.asarray(loaded.model.lm_weight()), ids)
   save_head(_OUT.value, pruned)
   print(f"wrote {os.path.abspath(_OUT.value)} (draft_vocab_size={len(ids)})")
 

@@ -43,7 +43,13 @@ _WINDOW = flags.DEFINE_integer("window", 64, "Head attention window.")
 _FEATURE_LAYERS = flags.DEFINE_list(
     "feature_layers", None, "Target hidden_states taps (default per head); early_exit: "
     "the exit layer E.")
-_DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab_size", None, "EAGLE-3 reduced vocabulary.")
+_DRAFT_VOCAB = flags.DEFINE_integer(
+    "draft_vocab_size", None,
+    "EAGLE-3 reduced vocabulary with the head's own LM head (starts as the target's columns).")
+_SOFT = flags.DEFINE_boolean(
+    "soft_labels", False,
+    "Train against the target's next-token distribution over the head's vocabulary "
+    "(EAGLE-3's loss) instead of its greedy token.")
 _SEED = flags.DEFINE_integer("seed", 0, "Init and batch-order seed.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "Held-out evaluation period.")
 _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 25, "Checkpoint period.")
@@ -79,6 +85,7 @@ def config_from_flags() -> DraftHeadJob:
       kind=_HEAD.value, steps=_STEPS.value, batch_size=_BATCH.value,
       learning_rate=_LR.value, warmup_steps=_WARMUP.value, depth=_DEPTH.value,
       num_modules=_MODULES.value, window=_WINDOW.value, draft_vocab_size=_DRAFT_VOCAB.value,
+      soft_labels=_SOFT.value,
       feature_layers=(None if _FEATURE_LAYERS.value is None
                       else tuple(int(i) for i in _FEATURE_LAYERS.value)),
       seed=_SEED.value, eval_every=_EVAL_EVERY.value, checkpoint_every=_CKPT_EVERY.value,

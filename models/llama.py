@@ -326,6 +326,12 @@ class Transformer(nnx.Module):
       x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
     return x
 
+  def lm_weight(self) -> jax.Array:
+    """The LM head as ``[D, V]`` in the parameter dtype (the tied embedding transposed)."""
+    if self.cfg.tie_word_embeddings:
+      return self.embed[...].T
+    return self.lm_head[...]
+
   def lm_logits(self, h: jax.Array) -> jax.Array:
     """Final-normed hidden ``[..., D] -> f32[..., V]``."""
     # Matmul in the parameter dtype with f32 accumulation (no f32 copy of the head); the

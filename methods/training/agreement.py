@@ -63,7 +63,7 @@ def _hits(params, rest, head_graphdef, target_graphdef, target_params, tokens, l
           prompt_lengths, *, depth):
   target = nnx.merge(target_graphdef, target_params)
   _, (hits, valid, resp) = _loss(params, rest, head_graphdef, target, tokens, lengths,
-                                 prompt_lengths, depth)
+                                 prompt_lengths, depth, False)
   return hits, valid, resp
 
 

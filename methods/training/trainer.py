@@ -3,7 +3,9 @@
 Each step runs the (frozen) target over a batch of sequences to get its features and
 greedy labels, unrolls the head ``depth`` steps (EAGLE-3's training-time test; MTP
 modules; Medusa heads) and minimises the cross-entropy against the target's greedy
-token, weighted ``0.8 ** u`` at depth u (EAGLE-1 adds its smooth-L1 feature loss with
+token (or, with ``soft_labels``, against the target's whole next-token distribution
+over the head's vocabulary, as EAGLE-3 trains: Li et al. 2025), weighted ``0.8 ** u``
+at depth u (EAGLE-1 adds its smooth-L1 feature loss with
 the paper's 1 : 0.1 regression : classification weighting). The LayerSkip exit adapter
 (``early_exit``) has depth 1: the CE of the target's greedy token at each position
 through the target's final norm and LM head applied to the adapted layer-E state.
@@ -61,7 +63,11 @@ class TrainConfig:
     feature_layers: target taps; None = the kind's default (early_exit: ``(E,)``, the
       exit layer, default ``num_layers // 4``).
     draft_vocab_size: EAGLE-3 reduced vocabulary (most frequent ids of the training
-      data); None = full vocabulary.
+      data) with the head's own LM head, which starts as the target LM head's columns
+      of those ids (``DraftHead.init_from_target``); None = full vocabulary.
+    soft_labels: distil the target's next-token distribution (softmax of its logits
+      over the head's vocabulary) instead of its greedy token; the top-1 metrics still
+      score the greedy token.
     seed: head init, batch order.
     eval_every: held-out evaluation period in steps (and at the last step).
     checkpoint_every: orbax checkpoint period in steps (and at the last step).
@@ -81,6 +87,7 @@ class TrainConfig:
   window: int = 64
   feature_layers: tuple[int, ...] | None = None
   draft_vocab_size: int | None = None
+  soft_labels: bool = False
   seed: int = 0
   eval_every: int = 25
   checkpoint_every: int = 25
@@ -160,7 +167,8 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                     cfg.weight_decay)
 
 
-def target_features(target, tokens, lengths, feature_layers: tuple[int, ...]):
+def target_features(target, tokens, lengths, feature_layers: tuple[int, ...],
+                    return_logits: bool = False):
   """Full (uncached) target forward over dense rows.
 
   Args:
@@ -168,10 +176,12 @@ def target_features(target, tokens, lengths, feature_layers: tuple[int, ...]):
     tokens: ``i32[B, T]`` with T a multiple of 16.
     lengths: ``i32[B]``.
     feature_layers: HF ``hidden_states`` indices, concatenated into F.
+    return_logits: also return the target's logits.
 
   Returns:
     ``(feats f32[B, T, F], labels i32[B, T])``: ``labels[:, p]`` is the target's greedy
-    token after position p.
+    token after position p; with ``return_logits`` a third entry, ``f32[B, T, V]``
+    (no gradient).
   """
   batch, width = tokens.shape
   pages = width // _PAGE
@@ -180,18 +190,26 @@ def target_features(target, tokens, lengths, feature_layers: tuple[int, ...]):
   meta = AttentionMetadata(table, lengths, lengths)
   _, out = target(caches, tokens, meta, hidden_layers=feature_layers)
   feats = jnp.concatenate([h.astype(jnp.float32) for h in out.hidden], -1)
-  return jax.lax.stop_gradient(feats), jnp.argmax(out.logits, -1).astype(jnp.int32)
+  labels = jnp.argmax(out.logits, -1).astype(jnp.int32)
+  if return_logits:
+    return jax.lax.stop_gradient(feats), labels, jax.lax.stop_gradient(out.logits)
+  return jax.lax.stop_gradient(feats), labels
 
 
-def _loss(params, rest, head_graphdef, target, tokens, lengths, prompt_lengths, depth):
+def _loss(params, rest, head_graphdef, target, tokens, lengths, prompt_lengths, depth,
+          soft_labels):
   """Returns ``(loss, (hits, valid, response))``, each ``bool[U, B, T]``: depth u's top-1
   agreement at output q, whether q has a label, and whether that label is a response
   token a row of the data drafts: token index in [prompt length, length - 1] (the
   engine's prefill is KV only, so the first decode step already drafts the first
-  response token; the label after the last token is never drafted)."""
+  response token; the label after the last token is never drafted). With
+  ``soft_labels`` the cross-entropy is against ``softmax`` of the target's logits over
+  the head's vocabulary at the label's position (EAGLE-3's loss)."""
   head = nnx.merge(head_graphdef, params, rest)
   cfg = head.cfg
-  feats, labels = target_features(target, tokens, lengths, cfg.feature_layers)
+  feats, labels, tlogits = target_features(target, tokens, lengths, cfg.feature_layers,
+                                           return_logits=True)
+  soft = jax.nn.softmax(head.from_target_logits(tlogits), -1) if soft_labels else None
   outs = head.unrolled(target, tokens, feats, lengths, depth)
   b, t = tokens.shape
   q = jnp.arange(t)[None]
@@ -205,7 +223,11 @@ def _loss(params, rest, head_graphdef, target, tokens, lengths, prompt_lengths, 
     in_vocab = valid & (lab_d >= 0)
     logits = head.train_logits(target, g, u)
     logp = jax.nn.log_softmax(logits, -1)
-    nll = -jnp.take_along_axis(logp, jnp.maximum(lab_d, 0)[..., None], -1)[..., 0]
+    if soft is None:
+      nll = -jnp.take_along_axis(logp, jnp.maximum(lab_d, 0)[..., None], -1)[..., 0]
+    else:
+      p = jnp.concatenate([soft[:, shift:], jnp.zeros_like(soft[:, :shift])], 1)
+      nll = -jnp.sum(p * logp, -1)
     count = jnp.maximum(valid.sum(), 1)
     ce = jnp.sum(jnp.where(in_vocab, nll, 0.0)) / count
     w = 0.8**u
@@ -225,26 +247,27 @@ def _loss(params, rest, head_graphdef, target, tokens, lengths, prompt_lengths, 
 
 
 @functools.partial(jax.jit, static_argnames=("head_graphdef", "target_graphdef", "depth",
-                                             "optimizer"))
+                                             "optimizer", "soft_labels"))
 def _train_step(params, opt_state, rest, head_graphdef, target_graphdef, target_params, tokens,
-                lengths, *, depth, optimizer):
+                lengths, *, depth, optimizer, soft_labels=False):
   target = nnx.merge(target_graphdef, target_params)
   no_prompt = jnp.zeros_like(lengths)
   (loss, (hits, valid, _)), grads = jax.value_and_grad(_loss, has_aux=True)(
-      params, rest, head_graphdef, target, tokens, lengths, no_prompt, depth)
+      params, rest, head_graphdef, target, tokens, lengths, no_prompt, depth, soft_labels)
   updates, opt_state = optimizer.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   acc = hits.sum((1, 2)) / jnp.maximum(valid.sum((1, 2)), 1)
   return params, opt_state, loss, optax.tree.norm(grads), acc
 
 
-@functools.partial(jax.jit, static_argnames=("head_graphdef", "target_graphdef", "depth"))
+@functools.partial(jax.jit, static_argnames=("head_graphdef", "target_graphdef", "depth",
+                                             "soft_labels"))
 def _eval_step(params, rest, head_graphdef, target_graphdef, target_params, tokens, lengths,
-               prompt_lengths, *, depth):
+               prompt_lengths, *, depth, soft_labels=False):
   """``(loss, per-depth f32[4, U]: hits, labels, response hits, response labels)``."""
   target = nnx.merge(target_graphdef, target_params)
   loss, (hits, valid, resp) = _loss(params, rest, head_graphdef, target, tokens, lengths,
-                                    prompt_lengths, depth)
+                                    prompt_lengths, depth, soft_labels)
   sums = [hits, valid, hits & resp, resp]
   return loss, jnp.stack([x.sum((1, 2)).astype(jnp.float32) for x in sums])
 
@@ -294,6 +317,7 @@ def train(cfg: TrainConfig, target, train_data: TokenDataset, held_out: TokenDat
   if head_cfg.draft_vocab_size is not None:
     d2t = draft_vocabulary(train_data, head_cfg.draft_vocab_size, head_cfg.vocab_size)
   head = make_head(head_cfg, cfg.seed, d2t)
+  head.init_from_target(nnx.merge(target.graphdef, target.params))
   graphdef, params, rest = nnx.split(head, nnx.Param, ...)
   optimizer = make_optimizer(cfg)
   opt_state = optimizer.init(params)
@@ -335,7 +359,7 @@ def train(cfg: TrainConfig, target, train_data: TokenDataset, held_out: TokenDat
     t0 = time.perf_counter()
     params, opt_state, loss, gnorm, _ = _train_step(
         params, opt_state, rest, graphdef, target.graphdef, target.params, batch.tokens,
-        batch.lengths, depth=depth, optimizer=optimizer)
+        batch.lengths, depth=depth, optimizer=optimizer, soft_labels=cfg.soft_labels)
     loss = float(loss)
     dt = time.perf_counter() - t0
     if step > start:  # the first step of a run includes compilation
@@ -344,7 +368,8 @@ def train(cfg: TrainConfig, target, train_data: TokenDataset, held_out: TokenDat
     row = {"step": step + 1, "loss": repr(loss), "learning_rate": repr(float(schedule_lr(step))),
            "grad_norm": repr(float(gnorm)), "tokens_per_s": f"{batch.lengths.sum() / dt:.1f}"}
     if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-      ev = _evaluate(params, rest, graphdef, target, held_out, cfg.batch_size, depth)
+      ev = _evaluate(params, rest, graphdef, target, held_out, cfg.batch_size, depth,
+                     cfg.soft_labels)
       row["held_out_loss"] = repr(ev[0])
       for u, (a, r) in enumerate(zip(ev[1], ev[2])):
         row[f"held_out_top1_pos{u + 1}"] = f"{a:.6f}"
@@ -370,7 +395,8 @@ def train(cfg: TrainConfig, target, train_data: TokenDataset, held_out: TokenDat
                      num_tokens / t_run if t_run > 0 else float("nan"))
 
 
-def _evaluate(params, rest, graphdef, target, data: TokenDataset, batch_size: int, depth: int):
+def _evaluate(params, rest, graphdef, target, data: TokenDataset, batch_size: int, depth: int,
+              soft_labels: bool = False):
   """Held-out ``(mean loss, per-depth top-1 agreement f32[U], the same over drafted
   response tokens only f32[U])`` over fixed batches (nan where a depth has no label).
 
@@ -384,7 +410,8 @@ def _evaluate(params, rest, graphdef, target, data: TokenDataset, batch_size: in
     idx = np.arange(s, s + batch_size) % n  # the last batch wraps (fixed shapes)
     b = data.take(idx)
     loss, part = _eval_step(params, rest, graphdef, target.graphdef, target.params,
-                            b.tokens, b.lengths, b.prompt_lengths, depth=depth)
+                            b.tokens, b.lengths, b.prompt_lengths, depth=depth,
+                            soft_labels=soft_labels)
     losses.append(float(loss))
     sums += np.asarray(part)
   with np.errstate(invalid="ignore"):  # nan where no (response) label exists

@@ -145,3 +145,13 @@ class DraftHead(nnx.Module, abc.ABC):
     """Draft-vocabulary logits -> ``f32[..., V]`` (-inf outside the draft vocabulary)."""
     return logits
 
+  def from_target_logits(self, logits):
+    """Target-vocabulary logits ``[..., V]`` -> the draft vocabulary's ``[..., V']``."""
+    return logits
+
+  # -- training
+  def init_from_target(self, target) -> None:
+    """Copies what the head starts training from out of the target (a
+    ``models.llama.Transformer``); nothing by default."""
+    del target
+

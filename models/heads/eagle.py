@@ -270,6 +270,20 @@ class Eagle3Head(EagleHead):
     full = jnp.full(logits.shape[:-1] + (self.cfg.vocab_size,), -jnp.inf, jnp.float32)
     return full.at[..., self.d2t[...]].set(logits)
 
+  def from_target_logits(self, logits):
+    """Target-vocabulary logits ``[..., V]`` -> ``[..., V']`` (the draft ids' columns)."""
+    if self.cfg.draft_vocab_size is None:
+      return logits
+    return jnp.take(logits, self.d2t[...], axis=-1)
+
+  def init_from_target(self, target) -> None:
+    """With its own vocabulary, the LM head starts as the target LM head's columns of the
+    draft ids (``lm_head = W[:, d2t]``, the FR-Spec head of ``restrict_draft_vocab``), so
+    training refines the target's own output geometry instead of a random one."""
+    if self.cfg.draft_vocab_size is None:
+      return
+    self.lm_head[...] = jnp.take(target.lm_weight().astype(jnp.float32), self.d2t[...], axis=1)
+
   def to_target_ids(self, draft_ids):
     """Draft-vocabulary ids ``i32[...]`` -> target ids (the identity without a reduced
     vocabulary). The map is sorted, so the order of ids (and argmax / top-k ties) is

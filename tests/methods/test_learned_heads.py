@@ -21,6 +21,7 @@ from methods.training.data import TokenDataset, batch_indices, draft_vocabulary
 from methods.training.trainer import (
     TrainConfig,
     _evaluate,
+    _loss,
     _pad_width,
     _train_step,
     make_optimizer,
@@ -35,6 +36,7 @@ from models.heads import (
     save_head,
     validate_vocab_map,
 )
+from models.layers import rms_norm
 from models.testing import full_forward, random_model, tiny_config
 from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine
@@ -190,6 +192,70 @@ def test_train_step_runs(target, kind):
   assert acc.shape == (cfg.train_depth,)
   changed = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)), new, before)
   assert any(jax.tree.leaves(changed))
+
+
+def test_reduced_vocab_head_starts_as_the_target_lm_head_columns(target):
+  """``init_from_target``: the own LM head is the target's columns of the draft ids, so
+  the draft logits equal the target LM head's logits there (-inf elsewhere)."""
+  head = _head("eagle3", target.config, draft_vocab_size=40)
+  model = nnx.merge(target.graphdef, target.params)
+  head.init_from_target(model)
+  d2t = np.asarray(head.d2t[...])
+  np.testing.assert_array_equal(np.asarray(head.lm_head[...]),
+                                np.asarray(model.lm_weight())[:, d2t])
+  h = jnp.asarray(np.random.default_rng(2).standard_normal((3, target.config.hidden_size)),
+                  jnp.float32)
+  mine = np.asarray(head.to_target_logits(head.draft_logits(model, h)))
+  normed = rms_norm(h, head.out_norm[...], head.cfg.rms_norm_eps, False)
+  theirs = np.asarray(model.lm_logits(normed))
+  np.testing.assert_allclose(mine[:, d2t], theirs[:, d2t], rtol=1e-5, atol=1e-5)
+  assert np.all(np.isneginf(np.delete(mine, d2t, axis=1)))
+  np.testing.assert_array_equal(np.asarray(head.from_target_logits(jnp.asarray(theirs))),
+                                theirs[:, d2t])
+  full = _head("eagle3", target.config)  # the target's LM head itself: nothing to copy
+  before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(full, nnx.Param)))
+  full.init_from_target(model)
+  after = nnx.to_pure_dict(nnx.state(full, nnx.Param))
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(a, b), before, after)))
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "reduced_vocab"])
+def test_soft_label_loss_is_cross_entropy_to_the_target_distribution(target, reduced):
+  """``soft_labels``: depth 1's loss is ``-sum p log q`` with p the softmax of the
+  target's logits (over the head's vocabulary) at the label's position, recomputed here
+  from the target and head directly; the top-1 hits are still the greedy ones."""
+  head = _head("eagle3", target.config, draft_vocab_size=40 if reduced else None)
+  graphdef, params, rest = nnx.split(head, nnx.Param, ...)
+  model = nnx.merge(target.graphdef, target.params)
+  data = _pad_width(_tiny_data(n=2, width=32))
+  zeros = jnp.zeros(2, jnp.int32)
+  hard_loss, (hits, valid, _) = _loss(params, rest, graphdef, model, data.tokens,
+                                      data.lengths, zeros, 1, False)
+  soft_loss, (soft_hits, soft_valid, _) = _loss(params, rest, graphdef, model, data.tokens,
+                                                data.lengths, zeros, 1, True)
+  np.testing.assert_array_equal(np.asarray(hits), np.asarray(soft_hits))
+  np.testing.assert_array_equal(np.asarray(valid), np.asarray(soft_valid))
+  feats, labels, logits = target_features(model, data.tokens, data.lengths,
+                                          head.cfg.feature_layers, return_logits=True)
+  (g,) = head.unrolled(model, data.tokens, feats, data.lengths, 1)
+  logq = np.asarray(jax.nn.log_softmax(head.draft_logits(model, g), -1))
+  p = np.asarray(jax.nn.softmax(head.from_target_logits(logits), -1))
+  lab_d = np.asarray(head.draft_ids(labels))
+  t = data.tokens.shape[1]
+  soft_sum = hard_sum = 0.0
+  count = 0
+  for b in range(2):
+    for q in range(t - 1):  # depth 1: output q predicts the label after q + 1
+      if q + 1 > data.lengths[b] - 1:
+        continue
+      count += 1
+      if lab_d[b, q + 1] < 0:
+        continue  # a label outside the draft vocabulary is not trained on
+      soft_sum += -np.sum(p[b, q + 1] * logq[b, q])
+      hard_sum += -logq[b, q, lab_d[b, q + 1]]
+  np.testing.assert_allclose(float(soft_loss), soft_sum / count, rtol=1e-4)
+  np.testing.assert_allclose(float(hard_loss), hard_sum / count, rtol=1e-4)
+  assert abs(float(soft_loss) - float(hard_loss)) > 1e-3  # the two losses differ here
 
 
 # ---------------------------------------------------------------- oracle
@@ -392,8 +458,8 @@ def test_eagle3_training_exports_vocab_map(target, tmp_path):
   data = _tiny_data()
   train_data, held = data.split(2)
   cfg = TrainConfig(kind="eagle3", steps=2, batch_size=2, depth=2, window=16,
-                    feature_layers=LAYERS["eagle3"], draft_vocab_size=48, progress=False,
-                    output_dir=str(tmp_path / "e3"))
+                    feature_layers=LAYERS["eagle3"], draft_vocab_size=48, soft_labels=True,
+                    progress=False, output_dir=str(tmp_path / "e3"))
   result = train(cfg, target, train_data, held)
   assert np.all(np.isfinite(result.losses))
   loaded = load_head(result.head_dir, target.config)
