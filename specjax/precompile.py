@@ -10,10 +10,11 @@ function's in-memory cache, so a later run of the workload compiles nothing.
 With ``num_threads`` > 1 the shapes are first compiled in that many threads
 (``jit(...).lower(...).compile()``: tracing holds the GIL, XLA's compile does not); JAX
 keeps those executables in its in-process compilation cache, which the jitted calls of
-the padding runs then reuse (JAX 0.10.2, CPU: a call after ``lower(x).compile()``
-compiles nothing, with or without the persistent cache), as long as they are traced
-under the same thread-local config (the caller's matmul precision is re-entered in the
-workers).
+the workload then reuse (JAX 0.10.2, CPU: a call after ``lower(x).compile()`` compiles
+nothing, with or without the persistent cache), as long as they are traced under the
+same thread-local config (the caller's matmul precision is re-entered in the workers).
+The padding runs are then skipped, but for a fused proposer's own prefill (with the
+target's padding prefill only where the proposer reads its hidden states).
 """
 
 from __future__ import annotations
@@ -142,12 +143,22 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
       list(pool.map(compile_one, lowerings))
 
+  # Compiled in threads, the steps' executables are in the in-process cache already: the
+  # padding calls would only run them (a CPU's prefill padding calls cost as much as a
+  # real prefill), so they run only where something is left to compile: everything when
+  # compiled one by one, and a fused proposer's own prefill, which needs the target's
+  # hidden states only for the kinds that read them.
+  aot = threads > 1
+  needs_hidden = bool(engine.caps.target_hidden_layers)
   results = None
-  for plan, sb in decode:
-    results, _ = engine._dispatch(plan, sb)
+  if not aot:
+    for plan, sb in decode:
+      results, _ = engine._dispatch(plan, sb)
   for args, kwargs, tokens, meta in prefill:  # args[2], the pool, was donated since
-    engine.kv_caches, results, hidden = forward_step(args[0], args[1], engine.kv_caches,
-                                                     *args[3:], **kwargs)
+    hidden = ()
+    if not aot or (engine.fused and needs_hidden):
+      engine.kv_caches, results, hidden = forward_step(args[0], args[1], engine.kv_caches,
+                                                       *args[3:], **kwargs)
     if engine.fused:
       engine._pstate = engine.method.prefill_device(engine._pparams, engine._pstate, tokens,
                                                     meta, tuple(hidden))
