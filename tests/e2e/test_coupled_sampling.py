@@ -150,7 +150,10 @@ def _acceptance(engine, requests):
           sum(s.num_draft_tokens for s in metrics.steps))
 
 
-def test_coupled_acceptance_against_the_optimal_rule(make_engine):
+@pytest.mark.parametrize("name", [
+    "draft_model", *[pytest.param(n, marks=pytest.mark.slow)
+                     for n in ("eagle3", "layerskip", "hsddw")]])
+def test_coupled_acceptance_against_the_optimal_rule(make_engine, name):
   """The acceptance the option costs, on the same seeded requests: per drafted token,
   coupled (Gumbel race over q with the verifier's noise) vs min(1, p/q). In expectation
   coupled <= optimal (sum min(p, q) is the most any coupling of q and p accepts) and
@@ -160,9 +163,9 @@ def test_coupled_acceptance_against_the_optimal_rule(make_engine):
   requests = law_requests(256, 12, temperature=0.8, top_k=0, prefix="a")
   rates = {}
   for coupled in (False, True):
-    accepted, drafted = _acceptance(make_engine(_q_method("draft_model", coupled)), requests)
+    accepted, drafted = _acceptance(make_engine(_q_method(name, coupled)), requests)
     rates[coupled] = accepted / drafted
-    print(f"draft_model coupled_sampling={coupled}: {accepted}/{drafted} drafts accepted "
+    print(f"{name} coupled_sampling={coupled}: {accepted}/{drafted} drafts accepted "
           f"({rates[coupled]:.3f})")
   se = 3 * np.sqrt(0.25 / drafted)
   assert rates[True] <= rates[False] + se, rates
