@@ -37,7 +37,8 @@ Seeded sampled requests: the choice depends on shared estimates (the batch, earl
 requests). With members without draft probabilities (the default ``suffix``, ``ngram``)
 the coupled rule of ``specjax.verify`` emits a seeded request's AR tokens whatever was
 drafted; with a ``draft_model`` member (drafts with q, the optimal rule) its exact tokens
-may change with its partners (its distribution does not).
+may change with its partners (its distribution does not), unless that member is built
+with ``coupled_sampling=True``.
 
 Runs on the synchronous host path: the choice among members is made on the host from
 their host drafts and online estimates. Cost: one synchronous step each; fused members

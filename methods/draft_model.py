@@ -21,6 +21,14 @@ budget are masked out), the draft KV of a prompt is filled in the target's prefi
 (``prefill_device``), and iterations run asynchronously. ``fused=False`` (and SVIP,
 whose ``lax.while_loop`` would make the host wait for the device) is the host-called
 path above, one synchronous step each.
+
+Sampled rows draw each draft from the draft model's processed distribution q with the
+request's draft-stream key and hand q to the verifier (Leviathan et al.'s min(1, p/q)
+rule). With ``coupled_sampling=True`` the draft at position j is instead the Gumbel-max
+race over q with the noise the verifier races p with at j
+(``specjax.sampling.draft_sample``) and goes to the verifier without q (the coupled
+rule of ``specjax.verify``): lossless, a seeded request emits its seeded AR tokens
+whatever its batch partners, at a lower acceptance.
 """
 
 from __future__ import annotations
@@ -36,13 +44,7 @@ from flax import nnx
 from models.llama import init_kv_caches
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.method import Capabilities, DeviceDraft, Draft, Method
-from specjax.sampling import (
-    STREAM_DRAFT,
-    is_greedy,
-    position_keys,
-    processed_probs,
-    sample_from_probs,
-)
+from specjax.sampling import draft_sample, is_greedy, processed_probs
 from specjax.steps import forward_step
 
 __all__ = ["DraftDeviceState", "DraftKV", "DraftModel", "DraftParams", "continue_chain",
@@ -51,12 +53,12 @@ __all__ = ["DraftDeviceState", "DraftKV", "DraftModel", "DraftParams", "continue
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "k", "num_steps", "all_greedy", "implementation"),
+    static_argnames=("graphdef", "k", "num_steps", "all_greedy", "implementation", "coupled"),
     donate_argnames=("kv_caches",),
 )
 def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetadata, budgets,
                       temperature, top_k, top_p, keys, positions, *, k, num_steps, all_greedy,
-                      implementation):
+                      implementation, coupled=False):
   """Drafts ``budgets[b]`` tokens for row b in ``num_steps`` draft forwards.
 
   Args:
@@ -67,13 +69,16 @@ def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetad
     positions: ``i32[B]`` absolute position of the first draft token.
     k: static width of the outputs (the method's k).
     num_steps: static number of draft forwards, ``max(budgets)`` (1 <= num_steps <= k).
+    coupled: static; sample with the verifier's noise and return no probs
+      (``draft_pick``).
 
   Returns:
-    ``(kv_caches, tokens i32[B, k], probs f32[B, k, V] or None when all_greedy)``; entries
-    at and past a row's budget are garbage (tokens -1 past ``num_steps``, probs 0).
+    ``(kv_caches, tokens i32[B, k], probs f32[B, k, V] or None when all_greedy or
+    coupled)``; entries at and past a row's budget are garbage (tokens -1 past
+    ``num_steps``, probs 0).
   """
   model = nnx.merge(graphdef, params)
-  pick = draft_pick(temperature, top_k, top_p, keys, all_greedy)
+  pick = draft_pick(temperature, top_k, top_p, keys, all_greedy, coupled)
 
   def forward(caches, tok, step_meta):  # tok i32[B, 1] -> (caches, logits f32[B, V])
     caches, o = model(caches, tok, step_meta, logits_indices=jnp.zeros_like(tok),
@@ -85,25 +90,26 @@ def draft_tokens_step(graphdef, params, kv_caches, pending, meta: AttentionMetad
                          implementation=implementation)
   tok, probs = pick(out.logits[:, 0], positions)
   return continue_chain(forward, pick, kv_caches, tok, probs, meta, budgets, positions, k=k,
-                        num_steps=num_steps, all_greedy=all_greedy)
+                        num_steps=num_steps)
 
 
-def draft_pick(temperature, top_k, top_p, keys, all_greedy: bool):
+def draft_pick(temperature, top_k, top_p, keys, all_greedy: bool, coupled: bool = False):
   """``pick(logits f32[B, V], positions i32[B]) -> (tokens i32[B], probs)`` of a chain
-  drafter: argmax (probs ``f32[B, 0]``) when every row is greedy, else a sample of the
-  row's processed distribution with its draft-stream key at that position."""
+  drafter: argmax (probs None) when every row is greedy, else a sample of the row's
+  processed distribution q (``probs f32[B, V]``) at that position
+  (``specjax.sampling.draft_sample``): with its draft-stream key, or, ``coupled``, by
+  the verifier's Gumbel race over q (probs None: the draft is verified without q)."""
   def pick(logits, pos):
     if all_greedy:
-      tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-      return tok, jnp.zeros((logits.shape[0], 0), jnp.float32)
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     probs = processed_probs(logits[:, None], temperature, top_k, top_p)[:, 0]
-    return sample_from_probs(probs, position_keys(keys, pos, STREAM_DRAFT)), probs
+    return draft_sample(probs, keys, pos, coupled=coupled), None if coupled else probs
 
   return pick
 
 
 def continue_chain(forward, pick, kv_caches, tok, probs, meta: AttentionMetadata, budgets,
-                   positions, *, k: int, num_steps: int, all_greedy: bool):
+                   positions, *, k: int, num_steps: int):
   """Draft forwards 2 .. ``num_steps`` of a chain drafter with its own paged KV (a draft
   model, LayerSkip's early exit), after the first forward drafted ``tok`` (``probs``).
 
@@ -113,10 +119,12 @@ def continue_chain(forward, pick, kv_caches, tok, probs, meta: AttentionMetadata
   Args:
     forward: ``(caches, tok i32[B, 1], step_meta) -> (caches, logits f32[B, V])``.
     pick: ``draft_pick``'s function. meta: the first forward's metadata (kv_lens after it).
+    probs: the first draft's q ``f32[B, V]``, or None (``pick`` gives no q: all greedy,
+      or coupled).
 
   Returns:
-    ``(kv_caches, tokens i32[B, k], probs f32[B, k, V] or None when all_greedy)``: tokens
-    -1 past ``num_steps``, probs 0 there.
+    ``(kv_caches, tokens i32[B, k], probs f32[B, k, V] or None)``: tokens -1 past
+    ``num_steps``, probs 0 there; None where ``pick`` gives none.
   """
   def body(carry, i):
     caches, tok = carry
@@ -130,7 +138,7 @@ def continue_chain(forward, pick, kv_caches, tok, probs, meta: AttentionMetadata
   (kv_caches, _), (toks, ps) = jax.lax.scan(body, (kv_caches, tok), jnp.arange(1, num_steps))
   tokens = jnp.concatenate([tok[:, None], toks.T], axis=1)
   tokens = jnp.pad(tokens, ((0, 0), (0, k - num_steps)), constant_values=-1)
-  if all_greedy:
+  if probs is None:
     return kv_caches, tokens, None
   probs = jnp.concatenate([probs[:, None], jnp.moveaxis(ps, 0, 1)], axis=1)
   return kv_caches, tokens, jnp.pad(probs, ((0, 0), (0, k - num_steps), (0, 0)))
@@ -143,26 +151,29 @@ def entropy_nats(logits: jax.Array) -> jax.Array:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "k", "all_greedy", "implementation", "stop_entropy"),
+    jax.jit, static_argnames=("graphdef", "k", "all_greedy", "implementation", "stop_entropy",
+                              "coupled"),
     donate_argnames=("kv_caches",),
 )
 def draft_until_uncertain_step(graphdef, params, kv_caches, pending, meta: AttentionMetadata,
                                budgets, temperature, top_k, top_p, keys, positions, num_steps,
-                               *, k, all_greedy, implementation, stop_entropy):
+                               *, k, all_greedy, implementation, stop_entropy, coupled=False):
   """``draft_tokens_step`` with SVIP's entropy stop: row b ends after draft t (1-based)
   when ``H(softmax(raw draft logits of t)) > stop_entropy`` (nats; before temperature /
   top-k / top-p): draft t is kept and no later one is computed. A ``lax.while_loop``
   over draft forwards ends when every row has stopped (budget or entropy) or after
   ``num_steps`` (a traced ``i32``, so one compile serves every length) forwards; row b
   takes part in forward i (feeding d_i) only while it is live, as in the fixed scan.
+  ``coupled`` (static): drafts as ``draft_pick``'s coupled pick, no probs.
 
   Returns:
     ``(kv_caches, tokens i32[B, k] (-1 past num_tokens), probs f32[B, k, V] or None when
-    all_greedy, num_tokens i32[B])``.
+    all_greedy or coupled, num_tokens i32[B])``.
   """
   model = nnx.merge(graphdef, params)
   batch = pending.shape[0]
-  vocab = model.cfg.vocab_size
+  no_probs = all_greedy or coupled
+  vocab = 0 if no_probs else model.cfg.vocab_size
 
   def pick(logits, pos):  # logits [B, V] -> (tokens, probs [B, V] or [B, 0], stop bool[B])
     stop = entropy_nats(logits) > stop_entropy
@@ -170,7 +181,8 @@ def draft_until_uncertain_step(graphdef, params, kv_caches, pending, meta: Atten
       tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       return tok, jnp.zeros((logits.shape[0], 0), jnp.float32), stop
     probs = processed_probs(logits[:, None], temperature, top_k, top_p)[:, 0]
-    return sample_from_probs(probs, position_keys(keys, pos, STREAM_DRAFT)), probs, stop
+    tok = draft_sample(probs, keys, pos, coupled=coupled)
+    return tok, probs[:, :vocab], stop
 
   idx = jnp.maximum(meta.q_lens - 1, 0)[:, None]
   kv_caches, out = model(kv_caches, pending, meta, logits_indices=idx,
@@ -178,7 +190,7 @@ def draft_until_uncertain_step(graphdef, params, kv_caches, pending, meta: Atten
   tok, p0, stop = pick(out.logits[:, 0], positions)
   has = budgets > 0
   tokens = jnp.full((batch, k), -1, jnp.int32).at[:, 0].set(jnp.where(has, tok, -1))
-  probs = jnp.zeros((batch, k, 0 if all_greedy else vocab), jnp.float32)
+  probs = jnp.zeros((batch, k, vocab), jnp.float32)
   probs = probs.at[:, 0].set(p0)
   num = has.astype(jnp.int32)
   live = has & (budgets > 1) & ~stop
@@ -203,7 +215,7 @@ def draft_until_uncertain_step(graphdef, params, kv_caches, pending, meta: Atten
 
   carry = (jnp.int32(1), kv_caches, live, tok, tokens, probs, num)
   _, kv_caches, _, _, tokens, probs, num = jax.lax.while_loop(cond, body, carry)
-  return kv_caches, tokens, None if all_greedy else probs, num
+  return kv_caches, tokens, None if no_probs else probs, num
 
 
 @dataclasses.dataclass
@@ -321,12 +333,19 @@ class DraftModel(Method):
       SVIP).
     fused: draft inside the engine's device step (module docstring); False: the
       host-called path (ignored with ``stop_entropy``, which always uses it).
+    coupled_sampling: False (default): sampled drafts carry q and are verified by the
+      optimal min(1, p/q) rule. True: each draft is the Gumbel-max race over q with the
+      verifier's noise at its position and is verified by the coupled rule
+      (``specjax.verify``): a seeded request emits its seeded AR tokens whatever its
+      batch partners, at an acceptance of P(argmax(log q + g) = argmax(log p + g)) <=
+      sum(min(p, q)). Greedy rows are unaffected.
   """
 
   name = "draft_model"
   k: int = 4
   stop_entropy: float | None = None
   fused: bool = True
+  coupled_sampling: bool = False
 
   def __post_init__(self):
     if self.k < 1:
@@ -336,6 +355,9 @@ class DraftModel(Method):
     if not isinstance(self.fused, bool):
       raise ValueError(f"fused={self.fused!r} must be True (drafts in the engine's device step) "
                        "or False (host-called)")
+    if not isinstance(self.coupled_sampling, bool):
+      raise ValueError(f"coupled_sampling={self.coupled_sampling!r} must be True (drafts "
+                       "verified by the coupled rule) or False (by min(1, p/q))")
 
   @property
   def num_speculative_tokens(self) -> int:
@@ -343,8 +365,8 @@ class DraftModel(Method):
 
   def capabilities(self) -> Capabilities:
     fused = self.fused and self.stop_entropy is None
-    return Capabilities(runs_on="fused" if fused else "device", emits_draft_probs=True,
-                        needs_draft_model=True)
+    return Capabilities(runs_on="fused" if fused else "device",
+                        emits_draft_probs=not self.coupled_sampling, needs_draft_model=True)
 
   def host_capabilities(self) -> Capabilities:
     """Its ``propose`` (called by a composite method) is the host-called device path."""
@@ -397,7 +419,8 @@ class DraftModel(Method):
     kv, tokens, probs = draft_tokens_step(
         params.graphdef, params.params, state.kv_caches, pending, meta, rows.budgets,
         rows.temperature, rows.top_k, rows.top_p, rows.keys, n_tok, k=self.k,
-        num_steps=self.k, all_greedy=all_greedy, implementation=params.implementation)
+        num_steps=self.k, all_greedy=all_greedy, implementation=params.implementation,
+        coupled=self.coupled_sampling)
     written = jnp.where(drafting, n_tok + rows.budgets - 1, valid)
     target = jnp.where(rows.active, rows.slots, num_slots)
     state = DraftDeviceState(kv, state.written.at[target].set(written, mode="drop"))
@@ -423,7 +446,7 @@ class DraftModel(Method):
           rt.draft.graphdef, rt.draft.params, state.kv_caches, pending, meta, row_budgets,
           ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, kv_lens,
           k=self.k, num_steps=num_steps, all_greedy=all_greedy,
-          implementation=rt.attention_implementation,
+          implementation=rt.attention_implementation, coupled=self.coupled_sampling,
       )
       num = budgets
     else:
@@ -431,7 +454,7 @@ class DraftModel(Method):
           rt.draft.graphdef, rt.draft.params, state.kv_caches, pending, meta, row_budgets,
           ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, kv_lens, np.int32(num_steps),
           k=self.k, all_greedy=all_greedy, implementation=rt.attention_implementation,
-          stop_entropy=self.stop_entropy)
+          stop_entropy=self.stop_entropy, coupled=self.coupled_sampling)
       num = np.minimum(np.asarray(num, np.int32)[:rows], budgets)
     tokens = np.array(tokens)[:rows]
     for i, (rid, t) in enumerate(zip(ctx.request_ids, ctx.token_ids)):

@@ -16,7 +16,9 @@ Drafting stops at the dynamic window: token ``d_j`` is drafted while every earli
 position had M2 entropy ``H(softmax(M2 logits)) <= tau`` (nats); the token at which the
 entropy first exceeds tau is the last one (it is drafted, then the block is verified),
 and a block never exceeds the row's budget (<= k). The target verifies the whole block
-with the shared rejection sampler, q = M2's ``q_j``.
+with the shared rejection sampler, q = M2's ``q_j`` (with ``coupled_sampling``, M2's
+samples are the verifier's Gumbel race over ``q_j`` and the block goes without q to the
+coupled rule of ``specjax.verify``).
 
 Worked example (k = 4, tau = 1.0, budget 4): M1 proposes [7, 9, 3]; M2's screen picks c =
 [7, 9, 5, 8] with entropies [0.2, 0.4, 0.9, 1.7]. Then a = 2 (7 and 9 kept), the
@@ -70,13 +72,7 @@ from flax import nnx
 from methods.draft_model import DraftKV
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.method import Capabilities, Draft, InnerMethodOption, Method
-from specjax.sampling import (
-    STREAM_DRAFT,
-    is_greedy,
-    position_keys,
-    processed_probs,
-    sample_from_probs,
-)
+from specjax.sampling import draft_sample, is_greedy, processed_probs
 
 __all__ = ["HSDDW", "HSDDWState", "hsddw_draft_step", "updated_threshold"]
 
@@ -100,11 +96,11 @@ def _leading_run(ok):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "k", "all_greedy", "implementation"),
+    jax.jit, static_argnames=("graphdef", "k", "all_greedy", "implementation", "coupled"),
     donate_argnames=("kv_caches",))
 def hsddw_draft_step(graphdef, params, kv_caches, screen_tokens, meta: AttentionMetadata,
                      num_pending, num_m1, budgets, thresholds, temperature, top_k, top_p, keys,
-                     positions, *, k, all_greedy, implementation):
+                     positions, *, k, all_greedy, implementation, coupled=False):
   """M2 screens M1's blocks in one forward, then drafts on while the window allows.
 
   Args:
@@ -119,11 +115,13 @@ def hsddw_draft_step(graphdef, params, kv_caches, screen_tokens, meta: Attention
     positions: ``i32[B]`` absolute position of the first draft token (= committed
       tokens).
     k: static block width; all_greedy: static, skips draft probabilities.
+    coupled: static; M2 picks each ``c_j`` by the verifier's Gumbel race over ``q_j`` at
+      its position (``specjax.sampling.draft_sample``) and no probs are returned.
 
   Returns:
     ``(kv_caches, tokens i32[B, k] (-1 past num), num i32[B], fed i32[B] (block tokens
     now in M2's KV), entropies f32[B, k], m1_kept i32[B], num_forwards i32[], probs
-    f32[B, k, V] or None)``.
+    f32[B, k, V] or None (all greedy, or coupled))``.
   """
   model = nnx.merge(graphdef, params)
   batch = screen_tokens.shape[0]
@@ -136,9 +134,9 @@ def hsddw_draft_step(graphdef, params, kv_caches, screen_tokens, meta: Attention
       return jnp.argmax(logits, axis=-1).astype(jnp.int32), entropy, None
     rows = logits.shape[1]
     probs = processed_probs(logits, temperature, top_k, top_p)
-    toks = jnp.stack([sample_from_probs(probs[:, r], position_keys(keys, pos[:, r], STREAM_DRAFT))
+    toks = jnp.stack([draft_sample(probs[:, r], keys, pos[:, r], coupled=coupled)
                       for r in range(rows)], axis=1)
-    return toks, entropy, probs
+    return toks, entropy, None if coupled else probs
 
   # Screen: logits of the pending token and of each M1 token (prediction j at column
   # num_pending - 1 + j; columns past num_m1 read padding and are never kept).
@@ -158,7 +156,7 @@ def hsddw_draft_step(graphdef, params, kv_caches, screen_tokens, meta: Attention
   j = cols[:, :k]
   tokens = jnp.where(j < num[:, None], choice[:, :k], -1)
   ent = entropy[:, :k]
-  q = None if all_greedy else probs[:, :k]
+  q = None if probs is None else probs[:, :k]
 
   def cond(carry):
     return jnp.any(carry[5]) & (carry[6] < k)
@@ -210,6 +208,9 @@ class HSDDW(Method):
     initial_threshold: tau before any rejection, in nats (> 0).
     prior_weight: weight of ``initial_threshold`` in the running mean (>= 0; 0: tau is
       the plain mean once a draft was rejected).
+    coupled_sampling: M2 picks its sampled tokens by the verifier's Gumbel race over
+      ``q_j`` and the block is verified by the coupled rule instead of min(1, p/q) (as
+      ``methods.draft_model.DraftModel.coupled_sampling``).
   """
 
   name = "hsddw"
@@ -218,6 +219,7 @@ class HSDDW(Method):
   m1: Method | None = None
   initial_threshold: float = 2.0
   prior_weight: float = 1.0
+  coupled_sampling: bool = False
 
   def __post_init__(self):
     if self.k < 1:
@@ -227,6 +229,9 @@ class HSDDW(Method):
                        "number > 0 (nats)")
     if not (np.isfinite(self.prior_weight) and self.prior_weight >= 0):
       raise ValueError(f"prior_weight={self.prior_weight} must be a finite number >= 0")
+    if not isinstance(self.coupled_sampling, bool):
+      raise ValueError(f"coupled_sampling={self.coupled_sampling!r} must be True (drafts "
+                       "verified by the coupled rule) or False (by min(1, p/q))")
     m1 = self.m1
     caps = m1.host_capabilities() if isinstance(m1, Method) else None
     if caps is None or caps.runs_on != "host" or caps.emits_draft_probs or caps.tree \
@@ -240,11 +245,13 @@ class HSDDW(Method):
     return self.k
 
   def capabilities(self) -> Capabilities:
-    return Capabilities(runs_on="device", emits_draft_probs=True, needs_draft_model=True)
+    return Capabilities(runs_on="device", emits_draft_probs=not self.coupled_sampling,
+                        needs_draft_model=True)
 
   def describe(self) -> dict:
     return {"method": self.name, "k": self.k, "m1": self.m1.name,
-            "initial_threshold": self.initial_threshold, "prior_weight": self.prior_weight}
+            "initial_threshold": self.initial_threshold, "prior_weight": self.prior_weight,
+            "coupled_sampling": self.coupled_sampling}
 
   def init_state(self, runtime):
     counters = dict(m1_proposed=0, m1_accepted=0, m2_tokens=0, m2_forwards=0, rejected=0)
@@ -287,7 +294,8 @@ class HSDDW(Method):
     out = hsddw_draft_step(
         rt.draft.graphdef, rt.draft.params, dkv.kv_caches, screen, meta, q_lens, num_m1,
         row_budgets, thresholds, ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys, kv_lens,
-        k=self.k, all_greedy=all_greedy, implementation=rt.attention_implementation)
+        k=self.k, all_greedy=all_greedy, implementation=rt.attention_implementation,
+        coupled=self.coupled_sampling)
     dkv.kv_caches, tokens, num, fed, ent, kept, iters, probs = out
     tokens, num, fed = np.array(tokens)[:rows], np.asarray(num)[:rows], np.asarray(fed)[:rows]
     ent, kept = np.asarray(ent)[:rows], np.asarray(kept)[:rows]

@@ -31,7 +31,9 @@ through E of ``num_layers`` layers, plus one full ``n + 1``-token verify.
 Sampling: drafts are sampled from the early-exit distribution after the request's own
 temperature / top-k / top-p, and that distribution q goes to the verifier
 (``Draft.probs``), so the rejection sampler keeps the target distribution (lossless).
-Greedy requests draft the argmax.
+Greedy requests draft the argmax. ``coupled_sampling=True`` draws each draft by the
+verifier's Gumbel race over q instead and sends no q (the coupled rule of
+``specjax.verify``: seeded requests emit their seeded AR tokens, at a lower acceptance).
 
 ``exit_layer = num_layers`` is the oracle: the draft is the full model, so every greedy
 draft is accepted (up to rounding ties between the one-token and the verify programs).
@@ -60,12 +62,13 @@ __all__ = ["LayerSkip", "early_exit_draft_step"]
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "adapter_graphdef", "exit_layer", "k", "num_steps",
-                     "all_greedy", "implementation"),
+                     "all_greedy", "implementation", "coupled"),
     donate_argnames=("kv_caches",),
 )
 def early_exit_draft_step(graphdef, params, adapter_graphdef, adapter_state, kv_caches, pending,
                           meta: AttentionMetadata, budgets, temperature, top_k, top_p, keys,
-                          positions, *, exit_layer, k, num_steps, all_greedy, implementation):
+                          positions, *, exit_layer, k, num_steps, all_greedy, implementation,
+                          coupled=False):
   """Drafts ``budgets[b]`` tokens for row b with the target's layers ``[0, exit_layer)``.
 
   Args:
@@ -86,10 +89,13 @@ def early_exit_draft_step(graphdef, params, adapter_graphdef, adapter_state, kv_
     num_steps: static number of draft forwards, ``max(budgets)`` (1 <= num_steps <= k).
     all_greedy: static; True drafts the argmax and returns no probabilities.
     implementation: paged-attention implementation(s).
+    coupled: static; sampled rows draft with the verifier's noise and no probabilities
+      are returned (``methods.draft_model.draft_pick``).
 
   Returns:
-    ``(kv_caches, tokens i32[B, k], probs f32[B, k, V] or None)``; entries at and past
-    a row's budget are garbage (tokens -1 past ``num_steps``, probs 0).
+    ``(kv_caches, tokens i32[B, k], probs f32[B, k, V] or None when all_greedy or
+    coupled)``; entries at and past a row's budget are garbage (tokens -1 past
+    ``num_steps``, probs 0).
   """
   model = nnx.merge(graphdef, params)
   adapter = None if adapter_graphdef is None else nnx.merge(adapter_graphdef, adapter_state)
@@ -106,11 +112,11 @@ def early_exit_draft_step(graphdef, params, adapter_graphdef, adapter_state, kv_
                         layer_range=(0, exit_layer))
     return caches, adapter.exit_logits(model, out.hidden[0][:, 0])
 
-  pick = draft_pick(temperature, top_k, top_p, keys, all_greedy)
+  pick = draft_pick(temperature, top_k, top_p, keys, all_greedy, coupled)
   kv_caches, logits = forward(kv_caches, pending, meta)
   tok, probs = pick(logits, positions)
   return continue_chain(forward, pick, kv_caches, tok, probs, meta, budgets, positions, k=k,
-                        num_steps=num_steps, all_greedy=all_greedy)
+                        num_steps=num_steps)
 
 
 @dataclasses.dataclass
@@ -132,6 +138,8 @@ class LayerSkip(Method):
     adapter_path: an ``early_exit`` head directory (``models.heads.save_head``, or a
       ``methods.training`` run's output dir); None drafts through the plain final norm
       and LM head (what LayerSkip's own checkpoints are trained for).
+    coupled_sampling: verify sampled drafts by the coupled rule instead of min(1, p/q)
+      (as ``methods.draft_model.DraftModel.coupled_sampling``).
 
   Raises:
     ValueError: k < 1, a missing or non-positive exit_layer, an adapter of another kind
@@ -143,10 +151,14 @@ class LayerSkip(Method):
   k: int = 4
   exit_layer: int | None = None
   adapter_path: str | None = None
+  coupled_sampling: bool = False
 
   def __post_init__(self):
     if self.k < 1:
       raise ValueError(f"num_speculative_tokens k={self.k} must be >= 1")
+    if not isinstance(self.coupled_sampling, bool):
+      raise ValueError(f"coupled_sampling={self.coupled_sampling!r} must be True (drafts "
+                       "verified by the coupled rule) or False (by min(1, p/q))")
     if self.adapter_path is not None:
       from models.zoo import resolve_head_path  # noqa: PLC0415
 
@@ -178,7 +190,8 @@ class LayerSkip(Method):
     return self.k
 
   def capabilities(self) -> Capabilities:
-    return Capabilities(runs_on="device", emits_draft_probs=True, drafts_in_target_kv=True)
+    return Capabilities(runs_on="device", emits_draft_probs=not self.coupled_sampling,
+                        drafts_in_target_kv=True)
 
   def init_state(self, runtime) -> _State:
     num_layers = runtime.target.config.num_layers
@@ -217,7 +230,8 @@ class LayerSkip(Method):
         target.graphdef, target.params, state.adapter_graphdef, state.adapter_state,
         ctx.kv_caches, pending, meta, row_budgets, ctx.temperature, ctx.top_k, ctx.top_p,
         ctx.keys, positions, exit_layer=self.exit_layer, k=self.k, num_steps=num_steps,
-        all_greedy=all_greedy, implementation=rt.attention_implementation)
+        all_greedy=all_greedy, implementation=rt.attention_implementation,
+        coupled=self.coupled_sampling)
     tokens = np.array(tokens)[:rows]
     tokens[np.arange(self.k)[None] >= budgets[:, None]] = -1
     return state, Draft(tokens, budgets, probs=probs, kv_caches=kv_caches)

@@ -62,13 +62,7 @@ from specjax.method import (
     PrefillResult,
     VerifyResult,
 )
-from specjax.sampling import (
-  STREAM_DRAFT,
-  is_greedy,
-  position_keys,
-  processed_probs,
-  sample_from_probs,
-)
+from specjax.sampling import draft_sample, is_greedy, processed_probs
 
 __all__ = ["FeaturePool", "HeadParams", "LearnedHeadMethod", "feature_window",
            "head_draft_step", "head_tree_step", "write_features"]
@@ -76,10 +70,10 @@ __all__ = ["FeaturePool", "HeadParams", "LearnedHeadMethod", "feature_window",
 
 @functools.partial(
     jax.jit, static_argnames=("head_graphdef", "target_graphdef", "num_steps", "all_greedy",
-                              "stop_entropy"))
+                              "stop_entropy", "coupled"))
 def head_draft_step(head_graphdef, head_state, target_graphdef, target_params, tokens, feats,
                     num_valid, positions, temperature, top_k, top_p, keys, draft_positions, *,
-                    num_steps, all_greedy, stop_entropy=None):
+                    num_steps, all_greedy, stop_entropy=None, coupled=False):
   """Runs ``head.draft`` for the padded batch.
 
   Args:
@@ -94,19 +88,23 @@ def head_draft_step(head_graphdef, head_state, target_graphdef, target_params, t
     stop_entropy: static; None, or (SVIP) a row keeps drafts up to and including the
       first whose untempered head distribution has entropy above this many nats (all
       ``num_steps`` head steps still run; only the count is cut).
+    coupled: static; sampled rows draft by the verifier's Gumbel race over q at the
+      draft's position (``specjax.sampling.draft_sample``) and no probs are returned.
 
   Returns:
-    ``(tokens i32[B, num_steps], probs f32[B, num_steps, V] or None, num_tokens i32[B])``
-    (``num_tokens`` = num_steps for every row without ``stop_entropy``).
+    ``(tokens i32[B, num_steps], probs f32[B, num_steps, V] or None (all greedy, or
+    coupled), num_tokens i32[B])`` (``num_tokens`` = num_steps for every row without
+    ``stop_entropy``).
   """
   return _head_draft(head_graphdef, head_state, target_graphdef, target_params, tokens, feats,
                      num_valid, positions, temperature, top_k, top_p, keys, draft_positions,
-                     num_steps=num_steps, all_greedy=all_greedy, stop_entropy=stop_entropy)
+                     num_steps=num_steps, all_greedy=all_greedy, stop_entropy=stop_entropy,
+                     coupled=coupled)
 
 
 def _head_draft(head_graphdef, head_state, target_graphdef, target_params, tokens, feats,
                 num_valid, positions, temperature, top_k, top_p, keys, draft_positions, *,
-                num_steps, all_greedy, stop_entropy=None):
+                num_steps, all_greedy, stop_entropy=None, coupled=False):
   """``head_draft_step``'s body (pure; traced by it and by the fused proposer)."""
   head = nnx.merge(head_graphdef, head_state)
   target = nnx.merge(target_graphdef, target_params)
@@ -117,8 +115,8 @@ def _head_draft(head_graphdef, head_state, target_graphdef, target_params, token
     if all_greedy:
       return jnp.argmax(logits, axis=-1).astype(jnp.int32), (None, stop)
     probs = processed_probs(logits[:, None], temperature, top_k, top_p)[:, 0]
-    tok = sample_from_probs(probs, position_keys(keys, draft_positions + j, STREAM_DRAFT))
-    return tok, (probs, stop)
+    tok = draft_sample(probs, keys, draft_positions + j, coupled=coupled)
+    return tok, (None if coupled else probs, stop)
 
   out, (probs, stops) = head.draft(target, tokens, feats, num_valid, positions, num_steps, pick)
   # Example: stops [F, T, T] (num_steps 3) -> 2 tokens (the first uncertain draft is kept).
@@ -281,6 +279,12 @@ class LearnedHeadMethod(Method):
     fused: chains without ``stop_entropy`` draft inside the engine's device step from
       device features (the module docstring); False: the host-called path (one
       synchronous step each; the test oracle of the fused path).
+    coupled_sampling: chains only (trees draft without q and are verified by the coupled
+      rule anyway): False (default) verifies sampled drafts with their q by min(1, p/q);
+      True draws each draft by the verifier's Gumbel race over q at its position and
+      verifies it by the coupled rule (``specjax.verify``; as
+      ``methods.draft_model.DraftModel.coupled_sampling``): seeded requests emit their
+      seeded AR tokens whatever their partners, at a lower acceptance.
   """
 
   kind: ClassVar[str]
@@ -294,11 +298,15 @@ class LearnedHeadMethod(Method):
   stop_entropy: float | None = None
   matmul_precision: str | None = None
   fused: bool = True
+  coupled_sampling: bool = False
 
   def __post_init__(self):
     if not isinstance(self.fused, bool):
       raise ValueError(f"fused={self.fused!r} must be True (chains draft in the engine's "
                        "device step) or False (host-called)")
+    if not isinstance(self.coupled_sampling, bool):
+      raise ValueError(f"coupled_sampling={self.coupled_sampling!r} must be True (drafts "
+                       "verified by the coupled rule) or False (by min(1, p/q))")
     if self.stop_entropy is not None and (self.tree_nodes or not self.stop_entropy >= 0):
       raise ValueError(f"stop_entropy={self.stop_entropy} must be None, or >= 0 (nats) with "
                        f"chain drafting (tree_nodes={self.tree_nodes} must be 0)")
@@ -364,7 +372,8 @@ class LearnedHeadMethod(Method):
               else self.feature_layers)
     tree = self.tree_nodes > 0
     fused = self.fused and self.stop_entropy is None
-    return Capabilities(runs_on="fused" if fused else "device", emits_draft_probs=not tree,
+    return Capabilities(runs_on="fused" if fused else "device",
+                        emits_draft_probs=not (tree or self.coupled_sampling),
                         target_hidden_layers=layers, tree=tree)
 
   def host_capabilities(self) -> Capabilities:
@@ -452,7 +461,8 @@ class LearnedHeadMethod(Method):
     out, probs, _ = _head_draft(
         params.head_graphdef, params.head_state, params.target_graphdef, params.target_params,
         toks, feats, num_valid, positions, rows.temperature, rows.top_k, rows.top_p, rows.keys,
-        rows.num_tokens, num_steps=self.k, all_greedy=all_greedy)
+        rows.num_tokens, num_steps=self.k, all_greedy=all_greedy,
+        coupled=self.coupled_sampling)
     num = jnp.where(rows.num_tokens >= 2, rows.budgets, 0).astype(jnp.int32)
     out = jnp.where(jnp.arange(self.k)[None] < num[:, None], out, -1)
     return state, DeviceDraft(out, num, probs)
@@ -539,7 +549,7 @@ class LearnedHeadMethod(Method):
         state.head_graphdef, state.head_state, target.graphdef, target.params, tokens, feats,
         num_valid, positions, ctx.temperature, ctx.top_k, ctx.top_p, ctx.keys,
         draft_positions, num_steps=most, all_greedy=all_greedy,
-        stop_entropy=self.stop_entropy)
+        stop_entropy=self.stop_entropy, coupled=self.coupled_sampling)
     if self.stop_entropy is not None:
       num = np.minimum(num, np.asarray(stopped)[:rows]).astype(np.int32)
       keep = np.arange(width)[None] < num[:, None]

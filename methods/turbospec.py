@@ -24,7 +24,8 @@ Lossless: lengths depend on history and load only, never on the step's drafts. N
 they do depend on the batch (load), so over a drafter with draft probabilities (the
 draft model) a seeded SAMPLED request's exact tokens can change with its partners (its
 distribution does not; ``specjax.verify`` keeps the optimal rule for q-drafts); over one
-without (n-gram) the coupled rule emits its AR tokens; greedy rows are unaffected.
+without (n-gram), or with its ``coupled_sampling`` option on, the coupled rule emits its
+AR tokens; greedy rows are unaffected.
 
 Runs on the synchronous host path: per-row draft lengths come from host EMAs and a step-
 cost model before each step, and the EMAs need each step's acceptance, so step n+1

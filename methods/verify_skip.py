@@ -46,7 +46,8 @@ requests of the run (shared estimates, the batch's cost). Over a drafter without
 probabilities (n-gram, the default) that changes nothing: the coupled rule of
 ``specjax.verify`` emits a seeded request's AR tokens whatever was drafted. Over one with
 q (a draft model) its exact tokens may change with its partners; its distribution does
-not (as in vLLM). Wrapping ``hsddw`` counts a truncated
+not (as in vLLM), unless the drafter's ``coupled_sampling`` option sends its drafts to the
+coupled rule too. Wrapping ``hsddw`` counts a truncated
 draft as rejected in its threshold. Cost by B rows, not the padded batch bucket.
 
 Runs on the synchronous host path: the truncation is a host decision from learned per-

@@ -21,15 +21,24 @@ seeded request emits exactly the tokens its seeded AR run would, whatever was dr
 (drafts that depend on batch partners, a shared suffix tree, preemption: ARCHITECTURE
 §8). Not from a paper: it is the plain decode's own sampling (the Gumbel-max trick,
 Gumbel 1954; Maddison et al. 2014, "A* Sampling") with the draft checked against it.
-Drafts with q keep the optimal rule above (a coupled rule for them would lower
-acceptance).
+Drafts with q keep the optimal rule above by default: a coupled rule for them lowers
+acceptance. Their drafters' ``coupled_sampling`` option (``draft_model``, ``layerskip``,
+``hsddw``, the learned heads' chains; wrappers pass it on, e.g. ``drafter_options``)
+trades that acceptance for the coupled rule's reproducibility: the drafter draws d_j =
+argmax(log q_j + g_j) with the very noise g_j the race below uses for t_j = argmax(log
+p_j + g_j) (``specjax.sampling.draft_sample``), and hands the draft over without q, so
+it is verified as above (accepted iff d_j = t_j). Acceptance is then P(argmax(log q + g)
+= argmax(log p + g)) <= sum_v min(p_v, q_v) (the optimal rule's, the most any coupling of
+q and p reaches) and >= a / (2 - a) for a = sum_v min(p_v, q_v) (Daliri et al. 2024,
+"Coupling without Communication and Drafter-Invariant Speculative Decoding", the Gumbel
+protocol), and a seeded request emits its seeded AR tokens whatever its partners.
 
 Every sampler here draws the recovered / bonus token the same way: a Gumbel-max race
-``argmax_v log w_v + g_v`` over its unnormalized weights w (the residual, or p) with the
-hash noise of ``pallas_kernels.verify`` seeded by ``bits(fold_in(fold_in(request_key,
-position), STREAM_SAMPLE))`` at the token's position. The chain (``rejection_sample``),
-fused chain (``fused_rejection_sample``) and tree (``tree_rejection_sample``) samplers
-therefore give a seeded row the same token whenever they agree on its distribution (a
+``argmax_v log w_v + g_v`` (``specjax.sampling.race_sample``) over its unnormalized
+weights w (the residual, or p) with the hash noise of ``pallas_kernels.verify`` seeded
+by ``bits(fold_in(fold_in(request_key, position), STREAM_SAMPLE))`` at the token's
+position. The chain (``rejection_sample``), fused chain (``fused_rejection_sample``)
+and tree (``tree_rejection_sample``) samplers therefore give a seeded row the same token whenever they agree on its distribution (a
 row with no draft, a chain-shaped tree), whichever one a step's batch partners route
 it through (G3).
 
@@ -46,13 +55,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.verify import gumbel_noise, verify_rows
+from pallas_kernels.verify import verify_rows
 from specjax.sampling import (
     STREAM_ACCEPT,
-    STREAM_SAMPLE,
     is_greedy,
     position_keys,
     processed_probs,
+    race_sample,
+    sample_seeds,
 )
 
 __all__ = ["fused_rejection_sample", "greedy_tree_verify", "greedy_verify", "rejection_sample",
@@ -73,26 +83,10 @@ def _accept_uniforms(keys, positions, length: int):
   return jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(u_keys)
 
 
-def _sample_seeds(keys, positions):
-  """``u32[B]`` noise seeds of the token drawn at ``positions i32[B]`` (stream SAMPLE)."""
-  return jax.vmap(lambda k: jax.random.bits(k, (), jnp.uint32))(
-      position_keys(keys, positions, STREAM_SAMPLE))
-
-
-def _race_sample(weights, keys, positions):
-  """One token per row from ``weights f32[B, V]`` (>= 0, unnormalized, some > 0): the
-  Gumbel-max race of ``pallas_kernels.verify`` (first index wins ties), so it draws
-  exactly the fused sampler's token from the same weights and seed."""
-  seeds = _sample_seeds(keys, positions)[:, None]
-  g = gumbel_noise(seeds, jnp.arange(weights.shape[-1], dtype=jnp.int32)[None])
-  race = jnp.where(weights > 0, jnp.log(jnp.where(weights > 0, weights, 1.0)) + g, -jnp.inf)
-  return jnp.argmax(race, axis=-1).astype(jnp.int32)
-
-
 def _target_tokens(p, keys, positions):
   """``i32[B, T]``: the target's token at each of ``positions i32[B, T]``, the race over
-  ``p f32[B, T, V]`` (``_race_sample``; the token a plain decode of the row draws there)."""
-  return jnp.stack([_race_sample(p[:, i], keys, positions[:, i]) for i in range(p.shape[1])],
+  ``p f32[B, T, V]`` (``specjax.sampling.race_sample``; the token a plain decode of the row draws there)."""
+  return jnp.stack([race_sample(p[:, i], keys, positions[:, i]) for i in range(p.shape[1])],
                    axis=1)
 
 
@@ -183,7 +177,7 @@ def rejection_sample(
   rejected = accepted < num_draft
   residual = jnp.maximum(p_a - jnp.where(rejected[:, None], q_a, 0.0), 0.0)
   has_mass = jnp.any(residual > 0, axis=-1, keepdims=True)
-  last = _race_sample(jnp.where(has_mass, residual, p_a), keys, positions + accepted)
+  last = race_sample(jnp.where(has_mass, residual, p_a), keys, positions + accepted)
   out = _assemble(draft_tokens, accepted, last)
   out = jnp.where(greedy_row, greedy_out, out)
   accepted = jnp.where(greedy_row[:, 0], greedy_acc, accepted)
@@ -230,7 +224,7 @@ def fused_rejection_sample(
   j = jnp.arange(length + 1)[None]
   padded = jnp.concatenate([draft_tokens, jnp.full((batch, 1), -1, jnp.int32)], axis=1)
   tokens = jnp.where(j < num_draft[:, None], padded, -1)
-  seeds = jnp.stack([_sample_seeds(keys, positions + i) for i in range(length + 1)],
+  seeds = jnp.stack([sample_seeds(keys, positions + i) for i in range(length + 1)],
                     axis=1)  # [B, L+1]
   greedy = is_greedy(temperature)
   coupled = draft_probs is None or not length  # the coupled rule (module docstring)
@@ -445,7 +439,7 @@ def tree_rejection_sample(
           jnp.full((batch, length), -1, jnp.int32), p[:, 0], p[:, 0])
   xs = (jnp.arange(length, dtype=jnp.int32), safe.T, parents.T, valid.T, u.T, q_xs)
   (_, num, path, _, w), _ = jax.lax.scan(step, init, xs)
-  last = _race_sample(w, keys, positions + num)
+  last = race_sample(w, keys, positions + num)
   out = _path_output(draft_tokens, path, num, last)
   return (jnp.where(greedy_row[:, None], greedy[0], out), jnp.where(greedy_row, greedy[1], num),
           jnp.where(greedy_row[:, None], greedy[2], path))

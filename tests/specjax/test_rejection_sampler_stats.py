@@ -8,6 +8,11 @@ engine does) must follow the *processed* target distribution (temperature, top-k
 top-p), computed here by independent numpy code. Chi-square with fixed seeds and a
 p-value threshold of 1e-3; deliberately wrong samplers (always accept; on rejection
 resample from p instead of the residual) must fail the same test, which shows power.
+
+Coupled drafts (``draft_sample(coupled=True)``: the Gumbel race over q with the
+verifier's noise, verified without q) follow the same law, and accept as the Gumbel
+coupling does: at most sum(min(p, q)) and at least that over 2 - itself (Daliri et al.
+2024), far above the sum(p q) of an independent sample verified without q.
 """
 
 import functools
@@ -18,6 +23,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from specjax.sampling import draft_sample
 from specjax.verify import rejection_sample
 
 V = 6
@@ -179,3 +185,39 @@ def test_rows_are_independent_of_batch_order():
     while a < 2 and d[b, a] == argmax[b, a]:
       a += 1
     assert int(acc[b]) == a and int(out[b, a]) == argmax[b, a]
+
+
+_draft_sample = jax.jit(functools.partial(draft_sample, coupled=True))
+
+
+@pytest.mark.parametrize("config", ["plain", "temperature_top_p"])
+def test_coupled_drafts_match_target_and_accept_as_a_gumbel_coupling(config):
+  cfg = CONFIGS[config]
+  temperature, top_k, top_p = cfg
+  q1 = processed(np.log(Q1 + 1e-30), *cfg)  # the drafter's processed q
+  q2 = np.stack([processed(np.log(Q2[x]), *cfg) for x in range(V)])
+  keys = jax.random.split(jax.random.PRNGKey(7), N)
+  positions = jnp.full(N, 9, jnp.int32)
+  d1 = np.asarray(_draft_sample(jnp.asarray(np.broadcast_to(q1, (N, V)), jnp.float32), keys,
+                                positions))
+  d2 = np.asarray(_draft_sample(jnp.asarray(q2[d1], jnp.float32), keys, positions + 1))
+  assert np.all(q1[d1] > 0)  # drafts are samples of q
+  logits = np.stack([np.broadcast_to(LOGITS1, (N, V)), LOGITS2[d1], LOGITS2[d2]], 1)
+  params = (jnp.full(N, temperature, jnp.float32), jnp.full(N, top_k, jnp.int32),
+            jnp.full(N, top_p, jnp.float32))
+  out, acc = _sampler(jnp.asarray(logits, jnp.float32), jnp.asarray(np.stack([d1, d2], 1),
+                                                                    jnp.int32),
+                      jnp.full(N, 2, jnp.int32), None, *params, keys, positions)
+  out, acc = np.asarray(out), np.asarray(acc)
+  nxt, _ = _sampler(jnp.asarray(LOGITS2[out[:, 0]][:, None], jnp.float32),
+                    jnp.zeros((N, 0), jnp.int32), jnp.zeros(N, jnp.int32), None, *params, keys,
+                    positions + 1)
+  t1, t2 = out[:, 0], np.where(acc >= 1, out[:, 1], np.asarray(nxt)[:, 0])
+  p1, joint = target_joint(cfg)
+  assert chi_square_p(t1, p1) > P_THRESHOLD
+  assert chi_square_p(t1 * V + t2, joint) > P_THRESHOLD
+  # Acceptance of draft 1 against the bounds (4 standard errors of the mean of N draws).
+  rate, tol = np.mean(acc >= 1), 4 * np.sqrt(0.25 / N)
+  optimal = np.minimum(p1, q1).sum()
+  assert optimal / (2 - optimal) - tol <= rate <= optimal + tol, (rate, optimal)
+  assert rate > (p1 * q1).sum() + tol, (rate, (p1 * q1).sum())
