@@ -13,8 +13,9 @@ keeps those executables in its in-process compilation cache, which the jitted ca
 the workload then reuse (JAX 0.10.2, CPU: a call after ``lower(x).compile()`` compiles
 nothing, with or without the persistent cache), as long as they are traced under the
 same thread-local config (the caller's matmul precision is re-entered in the workers).
-The padding runs are then skipped, but for a fused proposer's own prefill (with the
-target's padding prefill only where the proposer reads its hidden states).
+On a CPU the padding runs are then skipped (each costs what a real call costs there),
+but for a fused proposer's own prefill (with the target's padding prefill only where the
+proposer reads its hidden states).
 """
 
 from __future__ import annotations
@@ -143,12 +144,14 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
       list(pool.map(compile_one, lowerings))
 
-  # Compiled in threads, the steps' executables are in the in-process cache already: the
-  # padding calls would only run them (a CPU's prefill padding calls cost as much as a
-  # real prefill), so they run only where something is left to compile: everything when
-  # compiled one by one, and a fused proposer's own prefill, which needs the target's
-  # hidden states only for the kinds that read them.
-  aot = threads > 1
+  # Compiled in threads on a CPU, the steps' executables are in the in-process cache
+  # already (tests/e2e/test_precompile.py: the run compiles nothing): the padding calls
+  # would only run them, at a real prefill's cost each, so they run only where something
+  # is left to compile: a fused proposer's own prefill, which needs the target's hidden
+  # states only for the kinds that read them. On a GPU they cost milliseconds and stay:
+  # with JAX 0.11.2 on the H200 a step's first call after ``compile()`` still registers
+  # a compile event (0.1-0.2 ms), which the padding calls keep out of the measured steps.
+  aot = threads > 1 and jax.default_backend() == "cpu"
   needs_hidden = bool(engine.caps.target_hidden_layers)
   results = None
   if not aot:
