@@ -151,15 +151,15 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
   # states only for the kinds that read them. On a GPU they cost milliseconds and stay:
   # with JAX 0.11.2 on the H200 a step's first call after ``compile()`` still registers
   # a compile event (0.1-0.2 ms), which the padding calls keep out of the measured steps.
-  aot = threads > 1 and jax.default_backend() == "cpu"
+  skip_padding = threads > 1 and jax.default_backend() == "cpu"
   needs_hidden = bool(engine.caps.target_hidden_layers)
   results = None
-  if not aot:
+  if not skip_padding:
     for plan, sb in decode:
       results, _ = engine._dispatch(plan, sb)
   for args, kwargs, tokens, meta in prefill:  # args[2], the pool, was donated since
     hidden = ()
-    if not aot or (engine.fused and needs_hidden):
+    if not skip_padding or (engine.fused and needs_hidden):
       engine.kv_caches, results, hidden = forward_step(args[0], args[1], engine.kv_caches,
                                                        *args[3:], **kwargs)
     if engine.fused:
