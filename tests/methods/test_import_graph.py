@@ -1,5 +1,7 @@
 """The import graph of the packages has no cycle; in particular no method imports the
-registry (composites get their inner methods built: ``Method.inner_methods``).
+registry (composites get their inner methods built: ``Method.inner_methods``). Imports
+point down the layers (pallas_kernels < models < specjax < methods < harness <
+experiments, benchmarks), and no lower package reaches a higher one's files by path.
 
 Imports are read with ``ast`` from the source (module level and inside functions alike),
 so nothing is imported to check them.
@@ -13,6 +15,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("pallas_kernels", "models", "specjax", "methods", "harness", "experiments",
             "benchmarks")
+# Package -> its layer (ARCHITECTURE.md section 1): imports go to the same layer or below.
+LAYER = {"pallas_kernels": 0, "models": 1, "specjax": 2, "methods": 3, "harness": 4,
+         "experiments": 5, "benchmarks": 5}
+# Folders whose files a lower layer must not name ("specjax" is also the project's name,
+# e.g. its cache directory, so it is left out).
+_UPPER_FOLDERS = ("harness", "experiments", "benchmarks")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -114,6 +122,34 @@ def test_no_method_imports_the_registry():
 def test_the_import_graph_has_no_new_cycle():
   cycles = _cycles(_graph())
   assert not cycles, [sorted(c) for c in cycles]
+
+
+def test_imports_point_down_the_layers():
+  offenders = [f"{name} imports {target}" for name, targets in _graph().items()
+               for target in targets
+               if LAYER[target.split(".")[0]] > LAYER[name.split(".")[0]]]
+  assert not offenders, offenders
+
+
+def _upper_folder_names(name: str, path: pathlib.Path) -> list[str]:
+  """String constants of ``path`` (module ``name``) that are exactly the folder name of a
+  higher layer, e.g. ``"harness"`` in ``os.path.join(here, "..", "harness", "data")``."""
+  upper = {f for f in _UPPER_FOLDERS if LAYER[f] > LAYER[name.split(".")[0]]}
+  return [f"{name}:{node.lineno} names {node.value!r}"
+          for node in ast.walk(ast.parse(path.read_text(), str(path)))
+          if isinstance(node, ast.Constant) and node.value in upper]
+
+
+def test_no_lower_layer_names_a_higher_layers_folder():
+  offenders = [o for name, path in _modules().items() for o in _upper_folder_names(name, path)]
+  assert not offenders, offenders
+
+
+def test_the_checker_sees_a_path_into_the_harness(tmp_path):
+  path = tmp_path / "m.py"
+  path.write_text('import os\nP = os.path.join("..", "harness", "data")  # a path\n')
+  assert _upper_folder_names("methods.m", path) == ["methods.m:2 names 'harness'"]
+  assert _upper_folder_names("harness.m", path) == []
 
 
 @pytest.mark.parametrize("graph, expected", [

