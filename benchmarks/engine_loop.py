@@ -49,7 +49,7 @@ _DRAFTER = flags.DEFINE_enum("drafter", "constant", list(DRAFTERS),
                               "constant: L copies of the pending token drafted in the fused "
                               "device step; constant_host: on the host; draft_model: a "
                               "random-weight --draft model; suffix: suffix decoding's device "
-                              "drafter; eagle3: a random EAGLE-3 head's fused chain.")
+                              "drafter; ngram: n-gram prompt lookup on the device; eagle3: a random EAGLE-3 head's fused chain.")
 _DRAFT = flags.DEFINE_string("draft", "llama3.2-1b", "models.shapes draft of --drafter=draft_model.")
 _STEPS = flags.DEFINE_integer("steps_per_dispatch", EngineConfig.steps_per_dispatch,
                               "Engine iterations per device call.")
@@ -106,22 +106,7 @@ def _run(impl) -> pd.DataFrame:
       drafter=_DRAFTER.value, draft=_DRAFT.value, steps_per_dispatch=_STEPS.value,
       top=_TOP.value, ops_dir=_OUT.value, acceptance=_ACCEPTANCE.value,
       replay_num_requests=_REPLAY_N.value,
-      drafter_options=_drafter_options(_DRAFTER_OPTION.value))
-
-
-def _drafter_options(entries: list[str]) -> dict:
-  """``["window=16", "matmul_precision=default"]`` -> ``{"window": 16, ...}``.
-
-  Raises:
-    ValueError: an entry not of the form KEY=VALUE.
-  """
-  out = {}
-  for entry in entries:
-    key, sep, raw = entry.partition("=")
-    if not (sep and key):
-      raise ValueError(f"--drafter_option={entry!r} must look like KEY=VALUE")
-    out[key] = cli.option_value(raw)
-  return out
+      drafter_options=cli.key_value_options(_DRAFTER_OPTION.value, "drafter_option"))
 
 
 if __name__ == "__main__":

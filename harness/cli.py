@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from absl import app, flags, logging
 
-__all__ = ["option_value", "run"]
+__all__ = ["key_value_options", "option_value", "run"]
 
 _HELP_FLAGS = ("--help", "-help", "-h", "--helpshort", "--helpfull", "--helpxml", "-?")
 
@@ -32,6 +32,22 @@ def option_value(raw: str) -> object:
   except json.JSONDecodeError:
     return raw
   return tuple(value) if isinstance(value, list) else value
+
+
+def key_value_options(entries, flag: str) -> dict:
+  """``["window=16", "matmul_precision=default"]`` -> ``{"window": 16, ...}`` (values by
+  ``option_value``), e.g. a repeatable ``--drafter_option``.
+
+  Raises:
+    ValueError: an entry not of the form KEY=VALUE (naming ``--flag``).
+  """
+  out = {}
+  for entry in entries:
+    key, sep, raw = entry.partition("=")
+    if not (sep and key):
+      raise ValueError(f"--{flag}={entry!r} must look like KEY=VALUE")
+    out[key] = option_value(raw)
+  return out
 
 
 def _fail(message: str) -> None:

@@ -62,7 +62,7 @@ from specjax.engine import Engine
 from specjax.request import Request
 from specjax.steps import split_model
 
-__all__ = ["DRAFTERS", "read_bandwidth", "run_engine_loop"]
+__all__ = ["DRAFTERS", "build_target", "drafter_method", "read_bandwidth", "run_engine_loop"]
 
 
 def read_bandwidth(num_bytes: int = 2 << 30, reps: int = 10) -> float:
@@ -78,7 +78,7 @@ def read_bandwidth(num_bytes: int = 2 << 30, reps: int = 10) -> float:
   return num_bytes / float(np.median(times))
 
 
-def _target(name: str, dtype: str, num_layers: int | None = None, mesh=None):
+def build_target(name: str, dtype: str, num_layers: int | None = None, mesh=None):
   """``(cfg, model)``; random weights are drawn on their shards when ``mesh`` is set."""
   if name in SHAPES:  # random weights (models.shapes)
     from models.random_weights import random_transformer
@@ -110,7 +110,8 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
   ``drafter`` is "constant" (fused), "constant_host", "draft_model" (with the
   ``draft`` shape, random weights) or "suffix" (suffix decoding's fused device drafter:
   the drafts it finds are accepted with the synthetic probabilities, so its tau is
-  what it finds; its step time is the drafter's cost plus a k-wide verify) or "eagle3"
+  what it finds; its step time is the drafter's cost plus a k-wide verify), "ngram"
+  (n-gram prompt lookup on the device, likewise: tau is what it finds) or "eagle3"
   (a random-weight EAGLE-3 head for the target, fused chain of L head steps; all its
   drafts are accepted); ``top`` > 0 logs the profiled run's ``top`` device
   ops per engine step (``harness.device_time.top_ops``, prefill included) and the
@@ -142,14 +143,14 @@ def run_engine_loop(*, target: str, dtype: str, batch_sizes, contexts, lengths,
       mesh = None if mesh_text == "none" else sharding.make_mesh(mesh_text)
       if mesh is not None and mesh.shape["data"] != 1:
         raise ValueError(f"mesh={mesh_text!r}: the engine loop times one replica (data:1)")
-      cfg, model = _target(target, dtype, layers, mesh)
+      cfg, model = build_target(target, dtype, layers, mesh)
       split = split_model(model, unroll_layers=layer_execution == "unrolled")
       del model  # the stacked copy (unrolled layers are their own arrays)
       if mesh is not None:
         split = sharding.shard_model(split, mesh)
       draft_split = None
       if drafter == "draft_model":
-        _, draft_model = _target(draft, dtype, None, mesh)
+        _, draft_model = build_target(draft, dtype, None, mesh)
         draft_split = split_model(draft_model, unroll_layers=layer_execution == "unrolled")
         del draft_model
       df = _grid(cfg, split, mesh, bw, target=target, dtype=dtype, batch_sizes=batch_sizes,
@@ -196,7 +197,14 @@ def _scale_layers(df: pd.DataFrame, full: int) -> pd.DataFrame:
   return df
 
 
-def _method(drafter: str, length: int, cfg=None, options=None):
+def drafter_method(drafter: str, length: int, cfg=None, options=None):
+  """The method of a ``DRAFTERS`` row drafting ``length`` tokens (0: AR); ``cfg`` is the
+  target's config (the EAGLE-3 head's feature layers), ``options`` the drafter's
+  constructor options (checked as ``make_method`` checks them).
+
+  Raises:
+    ValueError: options the drafter does not take.
+  """
   options = dict(options or {})
   if not length:
     from methods.ar import AutoRegressive  # noqa: PLC0415
@@ -210,6 +218,10 @@ def _method(drafter: str, length: int, cfg=None, options=None):
     from methods.suffix import SuffixDecoding  # noqa: PLC0415
 
     return _checked(SuffixDecoding, options, k=length, device=True)
+  if drafter == "ngram":  # n-gram prompt lookup on the device (fused): its cost in the step
+    from methods.ngram import NGram  # noqa: PLC0415
+
+    return _checked(NGram, options, k=length)
   if drafter == "eagle3":  # a random EAGLE-3 head's fused chain: L head steps in the step
     from methods.eagle3 import Eagle3  # noqa: PLC0415
     from models.heads import default_eagle3_layers  # noqa: PLC0415
@@ -271,7 +283,7 @@ def _grid(cfg, split, mesh, bw, *, target, dtype, batch_sizes, contexts, lengths
             synthetic_acceptance=(1.0,) if length and replay is None else None,
             acceptance_replay=bool(length) and replay is not None, mesh=mesh,
             steps_per_dispatch=steps_per_dispatch)
-        method = _method(drafter, length, cfg, drafter_options)
+        method = drafter_method(drafter, length, cfg, drafter_options)
         engine = Engine(split, method, ecfg, draft=draft_split if length else None)
         engine.generate(reqs)  # warm-up: compiles
         _, met = engine.generate(reqs)
@@ -345,4 +357,4 @@ def _log_python_profile(engine, reqs, length: int, top: int, log) -> None:
         f"ms/step own, {1e3 * cum / per:.4f} cumulative, {calls / per:.2f} calls/step")
 
 
-DRAFTERS = ("constant", "constant_host", "draft_model", "suffix", "eagle3")
+DRAFTERS = ("constant", "constant_host", "draft_model", "suffix", "ngram", "eagle3")

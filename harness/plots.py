@@ -23,7 +23,8 @@ import pandas as pd
 
 from harness.stats import aggregate
 
-__all__ = ["engine_loop_figure", "evaluation_figures", "step_benchmark_figure"]
+__all__ = ["engine_loop_figure", "evaluation_figures", "seed_study_figure",
+           "step_benchmark_figure"]
 
 
 def _pyplot():
@@ -254,3 +255,35 @@ def engine_loop_figure(df: pd.DataFrame, path: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def seed_study_figure(table: pd.DataFrame, path: str) -> None:
+  """``experiments.seed_study``, one trace file: measured speedup over AR vs batch size
+  per point (error bars: std over repeats), the specjax-semantics simulator dashed in the
+  same colour; and the share of the SD step not spent drafting (verify_share)."""
+  plt = _pyplot()
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  pts = table[~table.point.isin(["ar"]) & ~table.point.str.startswith("ngram_lookup")]
+  for i, (point, g) in enumerate(pts.groupby("point", sort=False)):
+    g = g.sort_values("batch")
+    color = f"C{i % 10}"
+    axes[0].errorbar(g.batch, g.speedup, yerr=g.speedup_std.fillna(0), marker="o",
+                     color=color, label=point, capsize=2)
+    if "sim_specjax_speedup" in g:
+      axes[0].plot(g.batch, g.sim_specjax_speedup, ls="--", color=color, lw=0.8)
+    if g.verify_share.notna().any() and not point.startswith(("ngram_k", "oracle", "comb")):
+      axes[1].plot(g.batch, g.verify_share, marker="o", color=color, label=point)
+  axes[0].axhline(1.0, color="gray", lw=0.5)
+  axes[0].set(xscale="log", xlabel="batch size", ylabel="speedup over AR (tau / c)",
+              title="measured (solid) vs simulator, specjax semantics (dashed)")
+  axes[0].legend(fontsize=7, ncol=2)
+  axes[1].set(xscale="log", xlabel="batch size", ylim=(0, 1.05),
+              ylabel="zero-cost drafter step / SD step",
+              title="share of the SD step spent verifying")
+  axes[1].legend(fontsize=7)
+  fig.suptitle(f"{table.data.iloc[0]}: seed traces replayed, "
+               f"{int(table.repeats.max())} repeat(s)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+

@@ -1,0 +1,318 @@
+"""The seed study measured on the engine: speedup over AR against batch size with the seed
+paper's Llama-3.1-8B acceptance traces replayed (``EngineConfig.acceptance_replay``) on a
+target of any shape ("Speculative Decoding: Performance or Illusion?", arXiv 2601.11580;
+its traces and simulator rules: ``../shared/seed_traces/README.md``).
+
+Per trace file and batch size B the same target runs these points (``study_points``),
+each over the file's first ``num_requests(B)`` records whose prompt + output fits
+``max_total_tokens`` (continuous batching, B slots, EOS ignored, lengths from the record):
+
+  ``ar``                 plain decoding of the n-gram list's requests (the recorded output).
+  ``eagle3_k{k}``        a random-weight EAGLE-3 head of the target's shape drafts k tokens
+                         per step inside the fused step (its real cost); the EAGLE-3 trace
+                         decides what is accepted.
+  ``ngram_k{k}``         the zero-cost constant drafter (``harness.synthetic``) with the
+                         n-gram trace: on random weights the device n-gram lookup finds
+                         nothing to replay, so its cost is measured apart at the same
+                         shapes (``ngram_lookup_k{k}`` at the largest k, its own tau
+                         meaningless) and ``ngram_lookup_ms`` is reported beside.
+  ``oracle_eagle3_w{W}`` every row drafts exactly its accepted run (zero-cost drafter, at
+                         most W), verified in one fixed-width step of W drafts, as the fused
+                         step verifies a padded batch; EAGLE-3 trace.
+  ``combination_w{W}``   likewise with the per-position longer run of EAGLE-3 and n-gram
+                         (the shorter list), the seed's oracle combination.
+
+Measured per point over the steady (non-compiling) engine steps whose batch was full
+(every slot busy; B = 1: every step): ``tau`` = committed tokens per row-step,
+``step_ms`` its mean step, ``c`` = step_ms / the AR point's, ``speedup`` = tau / c
+(full-batch decode throughput over AR's); ``verify_share`` = the zero-cost drafter's
+step at the same k / this point's step (the time not spent drafting; 1 for the
+zero-cost rows). Per batch size each engine (``engine_groups``) is warmed up once by
+``Engine.precompile`` (every shape of every file's requests), then ``repeats`` measured
+runs per point and file, each a row.
+
+``simulate_points`` adds, per point, what the trace simulators print for it: specjax
+semantics (``harness.simulator.simulate``, the same requests, continuous batching) and
+the seed's (``harness.seed_simulator.simulate_seed``: B copies, 300 requests drawn) under
+a given cost model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import jax
+import numpy as np
+import pandas as pd
+
+from harness.traces import MethodTrace, replay_requests
+
+__all__ = ["EAGLE", "NGRAM", "Point", "StudyConfig", "combined_records", "engine_groups",
+           "fitting_records", "measure_study", "num_requests", "simulate_points",
+           "study_points", "summary_table"]
+
+EAGLE, NGRAM = "eagle", "ngram"  # the seed files' trace names
+COMBINED = "eagle+ngram"
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  """One measured configuration: ``label``; ``drafter`` (a ``harness.engine_loop.DRAFTERS``
+  name); ``trace`` (the replayed list: EAGLE, NGRAM or COMBINED; None for AR); ``length``
+  (drafts per step, 0 = AR); ``policy`` the simulator's ``(kind, methods, k)``."""
+
+  label: str
+  drafter: str
+  trace: str | None
+  length: int
+  policy: tuple
+
+
+def study_points(fixed_k=(1, 3, 5), oracle_widths=(8,)) -> list[Point]:
+  """The points of one (file, batch size), AR first (module docstring). A verify of 17
+  query rows (W = 16) exceeds the H200's shared memory in the ``pallas_gpu`` attention
+  kernel (232,712 > 232,448 bytes, measured): W > 8 there needs ``reference``."""
+  if any(k < 1 for k in (*fixed_k, *oracle_widths)):
+    raise ValueError(f"fixed_k={fixed_k}, oracle_widths={oracle_widths}: each must be >= 1")
+  pts = [Point("ar", "constant", None, 0, ("ar", (), 0))]
+  for k in fixed_k:  # before the EAGLE-3 points: their verify_share divides by these
+    pts.append(Point(f"ngram_k{k}", "constant", NGRAM, k, ("fixed", (NGRAM,), k)))
+  for k in fixed_k:
+    pts.append(Point(f"eagle3_k{k}", "eagle3", EAGLE, k, ("fixed", (EAGLE,), k)))
+  k = max(fixed_k)
+  pts.append(Point(f"ngram_lookup_k{k}", "ngram", NGRAM, k, ("fixed", (NGRAM,), k)))
+  for w in oracle_widths:
+    pts.append(Point(f"oracle_eagle3_w{w}", "constant", EAGLE, w, ("oracle", (EAGLE,), w)))
+  for w in oracle_widths:
+    pts.append(Point(f"combination_w{w}", "constant", COMBINED, w,
+                     ("combine", (EAGLE, NGRAM), w)))
+  return pts
+
+
+def num_requests(batch: int, available: int, per_slot: int = 2, minimum: int = 4) -> int:
+  """Requests a batch size runs: ``per_slot`` per slot, at least ``minimum``, at most
+  ``available``."""
+  return max(1, min(available, max(minimum, per_slot * batch)))
+
+
+def fitting_records(records, max_total_tokens: int):
+  """The records with output whose prompt + longest list fits ``max_total_tokens``."""
+  out = []
+  for r in records:
+    n = max([len(r.generated_token_ids)] + [len(t.acc_len) for t in r.methods.values()])
+    if n and len(r.prompt_token_ids) + n <= max_total_tokens:
+      out.append(r)
+  return out
+
+
+def combined_records(records):
+  """Each record with one more trace, COMBINED: per output position the larger
+  ``acc_len`` of EAGLE and NGRAM over the shorter list (the seed's oracle combination)."""
+  out = []
+  for r in records:
+    e, n = r.methods[EAGLE].acc_len, r.methods[NGRAM].acc_len
+    m = min(len(e), len(n))
+    both = MethodTrace(acc_len=np.maximum(e[:m], n[:m]))
+    out.append(dataclasses.replace(r, methods={**r.methods, COMBINED: both}))
+  return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StudyConfig:
+  """``measure_study``'s inputs: trace ``files``, ``batch_sizes``, the ``points``, the
+  requests per slot and the most prompt + output tokens of a request, measured
+  ``repeats``, the target ``split`` (``specjax.steps.split_model``) and its ``cfg``,
+  ``attention_implementation``, ``drafter_options`` (e.g. the EAGLE-3 head's) and
+  where to append rows as they come (``csv_path``, or None)."""
+
+  files: tuple
+  batch_sizes: tuple
+  points: tuple
+  requests_per_slot: int = 2
+  min_requests: int = 4
+  max_total_tokens: int = 2048
+  repeats: int = 1
+  attention_implementation: object = "reference"
+  drafter_options: dict = dataclasses.field(default_factory=dict)
+  csv_path: str | None = None
+
+
+def engine_groups(points) -> list[list[Point]]:
+  """``points`` grouped by the engine they run on (drafter, draft length), in order: the
+  points of a group differ only in the replayed trace, so one engine (one warm-up)
+  measures them all."""
+  groups: dict[tuple, list[Point]] = {}
+  for p in points:
+    groups.setdefault((p.drafter, p.length), []).append(p)
+  return list(groups.values())
+
+
+def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str,
+                  read_records, log=print) -> pd.DataFrame:
+  """Measures every (batch size, point, file, repeat); one row each (module docstring).
+  ``read_records(path)`` reads a trace file (``harness.traces.read_jsonl``).
+
+  Per batch size, one engine per ``engine_groups`` group, warmed up once with
+  ``Engine.precompile`` over all files' requests (its time is each row's ``warmup_s``),
+  then every file's runs of its points: the engines share the KV length and prefill
+  budget, so the prefill programs are compiled once per batch size."""
+  from harness.engine_loop import drafter_method  # noqa: PLC0415
+  from specjax.config import EngineConfig  # noqa: PLC0415
+  from specjax.engine import Engine  # noqa: PLC0415
+
+  files = {}
+  for path in cfg.files:
+    data = os.path.basename(path).removeprefix("combined_").removesuffix(".jsonl")
+    files[data] = combined_records(fitting_records(read_records(path), cfg.max_total_tokens))
+  widest = max(p.length for p in cfg.points)
+  rows = []
+  for batch in cfg.batch_sizes:
+    requests = {}  # (data, trace) -> requests
+    for data, records in files.items():
+      n = num_requests(batch, len(records), cfg.requests_per_slot, cfg.min_requests)
+      for m in (EAGLE, NGRAM, COMBINED):
+        requests[data, m] = replay_requests(records, m, vocab_size=model_cfg.vocab_size,
+                                            num_requests=n)
+    ar_ms, zero_ms = {}, {}
+    for group in engine_groups(cfg.points):
+      head = group[0]
+      runs = []  # (point, data, requests)
+      for p in group:
+        for data in files:
+          reqs = requests[data, p.trace or NGRAM]
+          if not p.length:
+            reqs = [dataclasses.replace(r, replay_acc_len=None) for r in reqs]
+          runs.append((p, data, reqs))
+      ecfg = EngineConfig(
+          max_num_seqs=batch, max_model_len=cfg.max_total_tokens + widest + 16,
+          attention_implementation=cfg.attention_implementation,
+          max_num_batched_tokens=max(512, min(8192, 256 * batch)),
+          acceptance_replay=bool(head.length))
+      options = cfg.drafter_options if head.drafter == "eagle3" else None
+      method = drafter_method(head.drafter, head.length, model_cfg, options)
+      engine = Engine(split, method, ecfg)
+      t0 = time.perf_counter()
+      every = [r for _, _, reqs in runs for r in reqs]  # ids repeat across files, points
+      engine.precompile([dataclasses.replace(r, request_id=str(i)) for i, r in enumerate(every)])
+      warm_s = time.perf_counter() - t0
+      for p, data, reqs in runs:
+        for rep in range(cfg.repeats):
+          t0 = time.perf_counter()
+          _, met = engine.generate(reqs)
+          wall = time.perf_counter() - t0
+          full = [s for s in met.steady_steps() if s.num_rows == batch]
+          step_ms = 1e3 * float(np.mean([s.step_s for s in full])) if full else float("nan")
+          tau = (sum(s.num_emitted for s in full) / sum(s.num_rows for s in full)
+                 if full else float("nan"))
+          if p.length == 0:
+            ar_ms[data, rep] = step_ms
+          if p.drafter == "constant" and p.length:
+            zero_ms[data, p.length, rep] = step_ms
+          c = step_ms / ar_ms.get((data, rep), float("nan"))
+          row = dict(
+              data=data, target=target, dtype=dtype, batch=batch, point=p.label,
+              drafter=p.drafter, trace=p.trace or "", L=p.length, repeat=rep,
+              num_requests=len(reqs),
+              mean_prompt=float(np.mean([len(r.prompt_token_ids) for r in reqs])),
+              mean_output=float(np.mean([r.sampling.max_tokens for r in reqs])),
+              full_steps=len(full), steps=len(met.steps), tau=tau, step_ms=step_ms, c=c,
+              speedup=tau / c,
+              verify_share=zero_ms.get((data, p.length, rep), float("nan")) / step_ms
+              if p.length else float("nan"),
+              wall_s=wall, warmup_s=warm_s, prefill_s=met.prefill_s,
+              num_compiles=met.num_compiles, device=jax.devices()[0].device_kind,
+              backend=jax.default_backend(),
+              attention_implementation=str(cfg.attention_implementation),
+              runs_on=method.capabilities().runs_on, jax_version=jax.__version__)
+          rows.append(row)
+          log(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in row.items() if k in (
+                           "data", "batch", "point", "repeat", "full_steps", "tau",
+                           "step_ms", "c", "speedup", "num_compiles", "warmup_s")))
+          if cfg.csv_path:
+            pd.DataFrame(rows).to_csv(cfg.csv_path, index=False)
+      del engine
+  return pd.DataFrame(rows)
+
+
+def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_tokens: int,
+                    requests_per_slot: int, min_requests: int, read_records,
+                    seed_cost=None) -> pd.DataFrame:
+  """``measured`` (``measure_study``'s rows) with the simulators' numbers beside each
+  (file, batch, point): ``sim_specjax_tau`` / ``sim_specjax_speedup`` (the same requests,
+  continuous batching, ``cost``), ``sim_seed_speedup`` (the seed's semantics under
+  ``cost``) and, with ``seed_cost``, ``sim_seed_h100_speedup`` (the seed's semantics
+  under the seed's own cost model: what the seed's simulator prints). The
+  ``ngram_lookup`` points get none (their tau is not the trace's)."""
+  from harness.seed_simulator import MATCH_PROBABILITY, simulate_seed  # noqa: PLC0415
+  from harness.simulator import Policy, simulate  # noqa: PLC0415
+
+  by_point = {p.label: p for p in points}
+  # The engine's prefill is KV-only: output position 0 is a decode step's.
+  engine_cost = dataclasses.replace(cost, prefill_emits_token=False)
+  out = []
+  for path in files:
+    data = os.path.basename(path).removeprefix("combined_").removesuffix(".jsonl")
+    raw = read_records(path)
+    records = fitting_records(raw, max_total_tokens)
+    sub = measured[measured.data == data]
+    for batch in sorted(sub.batch.unique()):
+      n = num_requests(int(batch), len(records), requests_per_slot, min_requests)
+      for label in sub[sub.batch == batch].point.unique():
+        p = by_point.get(label)
+        row = dict(data=data, batch=int(batch), point=label)
+        if p is not None and p.length and p.drafter != "ngram":
+          kind, methods, k = p.policy
+          pol = Policy(kind=kind, methods=methods, k=k)
+          sim = simulate(records[:n], engine_cost, pol, int(batch), batching="continuous")
+          row.update(sim_specjax_tau=sim["tau"], sim_specjax_speedup=sim["speedup"])
+          mp = MATCH_PROBABILITY.get(data) if kind == "fixed" and NGRAM in methods else None
+          for name, model in (("sim_seed", cost), ("sim_seed_h100", seed_cost)):
+            if model is None:
+              continue
+            seed_pol = pol if kind != "combine" else Policy(kind=kind, methods=(NGRAM, EAGLE),
+                                                              k=k)
+            res = simulate_seed(raw, model, seed_pol, int(batch), match_probability=mp)
+            row[f"{name}_speedup"] = res["speedup"]
+        out.append(row)
+  sims = pd.DataFrame(out)
+  return measured.merge(sims, on=["data", "batch", "point"], how="left")
+
+
+# The seed paper's own figure: the uncapped oracle combination, InstructCoder, batch 1.
+SEED_PAPER = {("instructcoder", 1, "combination"): 4.9}
+
+
+def summary_table(both: pd.DataFrame) -> pd.DataFrame:
+  """One row per (data, batch, point): mean and std over repeats of tau, step_ms, c,
+  speedup and verify_share, the simulators' columns, ``ngram_lookup_ms`` (the device
+  n-gram lookup's step minus the zero-cost drafter's at the same k, beside the
+  ``ngram_k`` rows) and ``seed_paper_speedup`` where the paper gives the point (its
+  combination is uncapped; ours verifies at most W drafts)."""
+  keys = ["data", "batch", "point"]
+  stats = ["tau", "step_ms", "c", "speedup", "verify_share"]
+  g = both.groupby(keys, sort=False)
+  out = g[stats].mean()
+  std = g[stats].std(ddof=1)
+  for col in stats:
+    out[f"{col}_std"] = std[col]
+  out["repeats"] = g.size()
+  sims = [c for c in both if c.startswith("sim_")]
+  out = out.join(g[sims + ["num_requests", "full_steps", "L"]].first()).reset_index()
+  lookup = []
+  for _, r in out.iterrows():
+    ms = float("nan")
+    if r.point.startswith("ngram_k"):
+      hit = out[(out.data == r.data) & (out.batch == r.batch)
+                & (out.point == f"ngram_lookup_k{int(r.L)}")]
+      if len(hit):
+        ms = float(hit.step_ms.iloc[0] - r.step_ms)
+    lookup.append(ms)
+  out["ngram_lookup_ms"] = lookup
+  out["seed_paper_speedup"] = [
+      SEED_PAPER.get((r.data, int(r.batch), r.point.partition("_w")[0]), float("nan"))
+      for _, r in out.iterrows()]
+  return out
+
