@@ -3,11 +3,12 @@
 ``run_evaluation(EvalConfig(...))`` is the library call behind
 ``experiments/evaluate.py``. For each batch size it builds one ``Engine`` per method
 (``"ar"``, the reference, always included) on the same target model and request list,
-runs a warm-up subset of the workload (one request per prefill-length bucket, at least
-a batch of them; ``_warmup_subset``) untimed per engine with at most ``warmup_tokens``
-new tokens per request (warm-up: it compiles the prefill and early decode buckets; decode buckets
-first reached later compile in the measured pass, where those steps are flagged and
-left out of the timings),
+warms each engine up untimed: ``Engine.precompile`` compiles every prefill, decode and
+verify shape the measured passes can meet, then a batch of the shortest prompts with at
+most ``warmup_tokens`` new tokens compiles what is left (``_warmup_requests``; without
+precompile, one request per prefill-length bucket, and decode buckets first reached
+later compile in the measured pass, where those steps are flagged and left out of the
+timings),
 then ``repeats`` measured passes. Each measured pass of each method gives one row.
 
 Definitions (per row; see ``specjax.metrics``):
@@ -677,16 +678,31 @@ def _static_columns(cfg: EvalConfig, workload: _Workload, target_split, mesh) ->
 
 
 def _warmup_requests(cfg: EvalConfig, workload: _Workload) -> list[Request]:
-  """Warm-up phase's requests: ``_warmup_subset`` of the workload (a batch of the
-  largest batch size at least), each capped at ``cfg.warmup_tokens`` new tokens (None:
-  uncapped)."""
+  """Warm-up phase's requests, each capped at ``cfg.warmup_tokens`` new tokens (None:
+  uncapped). With ``cfg.precompile`` every prefill, decode and verify shape is compiled
+  before this pass, which only has what is left to compile (slot admission, a method's
+  own host-called functions): a batch of the largest batch size of the shortest prompts
+  (``_shortest``). Without it, ``_warmup_subset`` (one request per prefill-length bucket,
+  then up to a batch of the largest batch size) compiles the prefill shapes too."""
   warm_tokens = min(workload.new_tokens, cfg.warmup_tokens or workload.new_tokens)
+  if cfg.precompile:
+    chosen = _shortest(workload.requests, max(cfg.batch_sizes))
+  else:
+    chosen = _warmup_subset(workload.requests, max(cfg.batch_sizes),
+                            EngineConfig.min_prefill_bucket, workload.max_model_len)
   return [
       dataclasses.replace(r, sampling=dataclasses.replace(
           r.sampling, max_tokens=min(warm_tokens, r.sampling.max_tokens)))
-      for r in _warmup_subset(workload.requests, max(cfg.batch_sizes),
-                              EngineConfig.min_prefill_bucket, workload.max_model_len)
+      for r in chosen
   ]
+
+
+def _shortest(requests: Sequence[Request], count: int) -> list[Request]:
+  """The ``count`` requests with the shortest prompts (ties: first in order), in
+  workload order. E.g. prompt lengths [40, 41, 700, 45, 1300], count 2 -> the 40 and
+  41 ones."""
+  order = sorted(range(len(requests)), key=lambda i: (len(requests[i].prompt_token_ids), i))
+  return [requests[i] for i in sorted(order[:count])]
 
 
 def _run_passes(cfg: EvalConfig, loaded: _Loaded, workload: _Workload,

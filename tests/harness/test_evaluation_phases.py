@@ -50,11 +50,27 @@ def test_requests_phase_draws_random_prompts_without_a_tokenizer():
   assert all(0 <= t < 50 for r in w.requests for t in r.prompt_token_ids)
   assert all(r.arrival_time == 0.0 and r.sampling.ignore_eos for r in w.requests)
   assert w.ignore_eos is True and w.max_model_len == 16
-  # The warm-up subset: one request per prefill bucket (one here), then the next ones up
-  # to the largest batch (2), each capped at warmup_tokens.
-  warm = evaluation._warmup_requests(dataclasses.replace(cfg, warmup_tokens=2), w)
+  # Without precompile, the warm-up subset: one request per prefill bucket (one here),
+  # then the next ones up to the largest batch (2), each capped at warmup_tokens.
+  warm = evaluation._warmup_requests(
+      dataclasses.replace(cfg, warmup_tokens=2, precompile=False), w)
   assert [r.request_id for r in warm] == ["random/0", "random/1"]
   assert all(r.sampling.max_tokens == 2 for r in warm)
+
+
+def test_precompiled_warm_up_runs_a_batch_of_the_shortest_prompts():
+  cfg = EvalConfig(target="random:tiny", dataset="random", input_len=9, num_prompts=3,
+                   max_new_tokens=4, page_size=8, batch_sizes=(1, 2), warmup_tokens=2)
+  w = evaluation._build_requests(cfg, None, None, vocab_size=50, context=64)
+  lengths = [30, 5, 12, 5]
+  w = dataclasses.replace(w, requests=[
+      dataclasses.replace(r, request_id=f"r{i}", prompt_token_ids=tuple(range(n)))
+      for i, (r, n) in enumerate(zip(w.requests * 2, lengths))])
+  warm = evaluation._warmup_requests(cfg, w)
+  assert [r.request_id for r in warm] == ["r1", "r3"]  # the two 5-token prompts
+  assert all(r.sampling.max_tokens == 2 for r in warm)
+  many = evaluation._warmup_requests(dataclasses.replace(cfg, batch_sizes=(3,)), w)
+  assert [r.request_id for r in many] == ["r1", "r2", "r3"]
 
 
 def _step(rows, emitted, k):
