@@ -89,7 +89,24 @@ def test_threaded_precompile(make_engine, reference):
     outputs, metrics = engine.generate(requests)
   assert count > 0 and compiles[2] == compiles[1] >= count, (count, compiles)
   assert metrics.num_compiles == 0 and not any(s.compiled for s in metrics.steps)
+  # Not even a flagged window: the first call of a shape compiled in a thread hits jit's
+  # trace cache, which JAX records as a ~0 s trace event (CompileMonitor ignores those).
+  assert not metrics.compile_windows and metrics.prefill_compiled_s == 0
   assert [o.output_token_ids for o in outputs] == reference(requests)
+
+
+def test_compile_monitor_ignores_trace_cache_hits():
+  trace, lower, backend = ("/jax/core/compile/jaxpr_trace_duration",
+                           "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                           "/jax/core/compile/backend_compile_duration")
+  before = CompileMonitor.snapshot()
+  CompileMonitor._on_event(trace, 2e-5)
+  CompileMonitor._on_event(lower, 1e-5)
+  assert CompileMonitor.snapshot() == before
+  CompileMonitor._on_event(trace, 0.25)
+  CompileMonitor._on_event(backend, 0.0)
+  count, seconds = CompileMonitor.snapshot()
+  assert count == before[0] + 1 and seconds == pytest.approx(before[1] + 0.25)
 
 
 def test_fused_head_compiles_nothing_after_precompile_on_a_new_engine(target):
