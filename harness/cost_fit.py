@@ -18,7 +18,15 @@ import numpy as np
 
 from specjax.cost_model import CostModel, DraftCost, OverheadCost, TargetCost, bucket
 
-__all__ = ["fit"]
+__all__ = ["fit", "mean_kv_per_row"]
+
+
+def mean_kv_per_row(frame, new_tokens: int) -> np.ndarray:
+  """Mean KV positions a row reads over an engine-loop run: ``context + new_tokens * tau
+  / 2`` (a request commits tau tokens per step for ``new_tokens`` steps; with synthetic
+  acceptance 1.0, tau = L + 1), ``context + new_tokens / 2`` where the CSV has no tau."""
+  tau = frame.tau.to_numpy(float) if "tau" in frame else np.ones(len(frame))
+  return frame.context.to_numpy(float) + new_tokens * tau / 2
 
 
 def _nnls(features: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, dict]:
@@ -46,8 +54,8 @@ def fit(engine_loop_frames, eval_frames=(), *, new_tokens: int = 64, name: str =
       context, L, step_ms, device_ms, ...); rows of one target shape and dtype.
     eval_frames: ``harness.evaluation`` results as DataFrames (method, batch_size, k,
       draft_ms); every method but ``ar`` gets a draft cost.
-    new_tokens: tokens each engine-loop request generated (its ``--new_tokens``; the
-      CSV does not record it): the mean KV per row is ``context + new_tokens / 2``.
+    new_tokens: engine steps of each engine-loop request (its ``--new_tokens``; the CSV
+      does not record it): the mean KV per row is ``mean_kv_per_row``.
 
   Raises:
     ValueError: no engine-loop rows with a finite ``device_ms``, or more than one target.
@@ -65,7 +73,7 @@ def fit(engine_loop_frames, eval_frames=(), *, new_tokens: int = 64, name: str =
                      f"{sorted(set(zip(loop.target, loop.dtype)))}")
   batch = loop.batch.to_numpy(float)
   length = loop.L.to_numpy(float)
-  kv = batch * (loop.context.to_numpy(float) + new_tokens / 2)
+  kv = batch * mean_kv_per_row(loop, new_tokens)
   # The engine verifies a padded [bucket(B), bucket(L) + 1] block (query_padding="engine").
   q = np.asarray([bucket(int(b)) * (bucket(int(v)) + 1) for b, v in zip(batch, length)],
                  float)
