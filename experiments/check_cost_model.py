@@ -33,18 +33,13 @@ _TOL = flags.DEFINE_float("tolerance", 0.05, "Largest |relative error| counted a
 _OUT = flags.DEFINE_string("output", None, "Where the table's CSV goes (optional).")
 
 
-def _ints(flag) -> tuple[int, ...]:
-  try:
-    return tuple(int(v) for v in flag.value)
-  except ValueError:
-    raise ValueError(f"--{flag.name}={','.join(flag.value)} must be integers") from None
-
 
 def main(argv):
   del argv
   frame = pd.concat([pd.read_csv(p) for p in _LOOP.value], ignore_index=True)
-  fit_rows, held = cost_check.split_heldout(frame, batches=_ints(_BATCHES),
-                                            contexts=_ints(_CONTEXTS), layers=_ints(_LAYERS))
+  fit_rows, held = cost_check.split_heldout(
+      frame, batches=cli.int_list(_BATCHES), contexts=cli.int_list(_CONTEXTS),
+      layers=cli.int_list(_LAYERS))
   if _HELD.value:
     held = pd.concat([held] + [pd.read_csv(p) for p in _HELD.value], ignore_index=True)
   out = cost_check.heldout_check(fit_rows, held, new_tokens=_NEW.value,

@@ -55,18 +55,12 @@ _MEASURED = flags.DEFINE_string("measured_csv", None, "Skip measuring: read this
 _OUT = flags.DEFINE_string("output_dir", "results/seed_study", "Where the files go.")
 
 
-def _ints(flag) -> tuple[int, ...]:
-  try:
-    return tuple(int(v) for v in flag.value)
-  except ValueError:
-    raise ValueError(f"--{flag.name}={','.join(flag.value)} must be integers") from None
-
 
 def main(argv):
   del argv
   if not _TRACES.value:
     raise ValueError("--traces is empty: name at least one seed trace file")
-  points = seed_study.study_points(_ints(_K), _ints(_W))
+  points = seed_study.study_points(cli.int_list(_K), cli.int_list(_W))
   if _POINTS.value:
     known = {p.label for p in points}
     unknown = sorted(set(_POINTS.value) - known)
@@ -93,7 +87,7 @@ def _measure(points) -> pd.DataFrame:
   split = split_model(model, unroll_layers=True)
   del model
   study = seed_study.StudyConfig(
-      files=tuple(_TRACES.value), batch_sizes=_ints(_BATCH), points=tuple(points),
+      files=tuple(_TRACES.value), batch_sizes=cli.int_list(_BATCH), points=tuple(points),
       requests_per_slot=_PER_SLOT.value, min_requests=_MIN_REQ.value,
       max_total_tokens=_MAX_TOTAL.value, repeats=_REPEATS.value,
       attention_implementation=impl[0] if len(impl) == 1 else impl,

@@ -47,13 +47,6 @@ _NEW = flags.DEFINE_integer("new_tokens", 64, "The engine-loop run's --new_token
 _OUT = flags.DEFINE_string("output_dir", None, "Where bounds.csv / engine_loop_vs_sim.csv go.")
 
 
-def _ints(name: str, values) -> tuple[int, ...]:
-  try:
-    return tuple(int(v) for v in values)
-  except ValueError:
-    raise ValueError(f"--{name}={','.join(values)} must be a comma-separated list of "
-                     "integers") from None
-
 
 def _pair(text: str) -> tuple[str, str]:
   if text.count("=") != 1:
@@ -73,8 +66,8 @@ def main(argv):
   else:
     cfg = simulator.BoundsConfig(
         traces=tuple(_TRACES.value), cost_model=_COST.value, methods=tuple(_METHODS.value),
-        fixed_k=_ints("fixed_k", _K.value), oracle=_ORACLE.value, combine=_COMBINE.value,
-        batch_sizes=_ints("batch_sizes", _BATCH.value), batching=_BATCHING.value,
+        fixed_k=cli.int_list(_K), oracle=_ORACLE.value, combine=_COMBINE.value,
+        batch_sizes=cli.int_list(_BATCH), batching=_BATCHING.value,
         include_prefill=_PREFILL.value, switch_cost_ms=_SWITCH.value,
         method_costs=tuple(_pair(p) for p in _METHOD_COST.value), num_requests=_NUM.value,
         semantics=_SEMANTICS.value, match_probability=_MATCH_P.value)

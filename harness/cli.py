@@ -50,6 +50,16 @@ def key_value_options(entries, flag: str) -> dict:
   return out
 
 
+def int_list(flag) -> tuple[int, ...]:
+  """A list flag's values as ints (``flags.DEFINE_list``). Raises ValueError naming the
+  flag and its value when one is not an integer."""
+  try:
+    return tuple(int(v) for v in flag.value)
+  except ValueError:
+    raise ValueError(f"--{flag.name}={','.join(flag.value)} must be a comma-separated list "
+                     "of integers") from None
+
+
 def _fail(message: str) -> None:
   print(f"error: {message}", file=sys.stderr)
   sys.exit(2)
