@@ -386,6 +386,25 @@ for step in "$@"; do
       SPECJAX_COMPILATION_CACHE=${SPECJAX_COMPILATION_CACHE:-$OUT/cc_empty} run eval_device_loop \
         evaluate --target=smollm2-135m --methods=ar,ngram,suffix --num_prompts=12 \
         --max_new_tokens=128 --batch_sizes=1,4 --repeats=3 --output_dir="$OUT/eval_device_loop" ;;
+    seed_study)  # the seed study (docs/gpu/seed_study): SEED_FILES (trace names) at
+      # SEED_BATCHES, every file in one process (one warm-up per engine and batch size)
+      files=""
+      for f in ${SEED_FILES:-instructcoder gsm8k cnn sharegpt}; do
+        files="$files${files:+,}${SEED_TRACES:-.stage/seed_traces}/combined_$f.jsonl"
+      done
+      run seed_study python3 -m experiments.seed_study --target=llama3-8b --dtype=bfloat16 \
+        --traces="$files" --batch_sizes=${SEED_BATCHES:-64,128} --repeats=3 \
+        --attention_implementation=pallas_gpu,reference ${SEED_ARGS:-} \
+        --output_dir="$OUT/seed_study" ;;
+    cost_grid)  # the cost model's fit and held-out points (experiments.check_cost_model):
+      # unrolled 8B engine-loop grid, profiled, then the 70B shape at 4, 8 and 12 layers
+      run cost_grid_8b python3 -m benchmarks.engine_loop --target=llama3-8b \
+        --batch_sizes=${GRID_BATCHES:-1,4,8,16,32,64,128} --contexts=${GRID_CONTEXTS:-512,1024,2048} \
+        --lengths=0,1,3,5,8 --attention_implementation=pallas_gpu,reference \
+        --output_dir="$OUT/cost_grid_8b"
+      run cost_grid_70b python3 -m benchmarks.engine_loop --target=llama3.3-70b \
+        --num_layers=4,8,12 --batch_sizes=1,16,64 --contexts=512,2048 --lengths=0,1,4 \
+        --attention_implementation=pallas_gpu,reference --output_dir="$OUT/cost_grid_70b" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
