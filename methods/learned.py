@@ -265,6 +265,10 @@ class LearnedHeadMethod(Method):
       value for a trained head drafts with a context it was not trained on (a cost
       experiment: the window is recomputed at every draft call).
     seed: initialisation seed of a random head.
+    draft_vocab_size: a random EAGLE-3 head's reduced draft vocabulary (its LM head then
+      covers target ids 0 .. draft_vocab_size - 1, as a trained head's covers its most
+      frequent ones: the drafting cost of e.g. the 32,000-token head of Llama-3.1-8B);
+      None: the full vocabulary. Only without ``head_path`` (a trained head has its own).
     tree_nodes: 0 drafts a chain of k tokens; n > 0 drafts a tree of n nodes and depth
       <= k (kinds whose ``max_tree_nodes`` is > 0: EAGLE-2 trees for EAGLE/EAGLE-3,
       candidate trees for Medusa). The verify step then holds n + 1 tokens.
@@ -293,6 +297,7 @@ class LearnedHeadMethod(Method):
   feature_layers: tuple[int, ...] | None = None
   window: int | None = None
   seed: int = 0
+  draft_vocab_size: int | None = None
   tree_nodes: int = 0
   tree_branching: int = 4
   stop_entropy: float | None = None
@@ -332,6 +337,9 @@ class LearnedHeadMethod(Method):
                          f"{self.tree_branching} tree")
     if self.feature_layers is not None:
       object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+    if self.draft_vocab_size is not None and self.head_path is not None:
+      raise ValueError(f"draft_vocab_size={self.draft_vocab_size} is for a random head; "
+                       f"head_path={self.head_path!r} has its own vocabulary")
     if self.head_path is not None:
       from models.zoo import resolve_head_path  # noqa: PLC0415
 
@@ -383,6 +391,8 @@ class LearnedHeadMethod(Method):
   def head_config(self, target_config) -> HeadConfig:
     """Config of the random head built when ``head_path`` is None."""
     extra = {"num_modules": self.k} if head_class(self.kind).has_modules else {}
+    if self.draft_vocab_size is not None:
+      extra["draft_vocab_size"] = self.draft_vocab_size
     return HeadConfig.for_target(self.kind, target_config, feature_layers=self.feature_layers,
                                  window=self.drafting_window, **extra)
 
@@ -395,7 +405,9 @@ class LearnedHeadMethod(Method):
     if self.head_path is not None:
       head = load_head(self.head_path, runtime.target.config)
     else:
-      head = make_head(self.head_config(runtime.target.config), self.seed)
+      cfg = self.head_config(runtime.target.config)
+      d2t = None if cfg.draft_vocab_size is None else np.arange(cfg.draft_vocab_size)
+      head = make_head(cfg, self.seed, d2t)
     if type(head).has_modules and self.k > head.cfg.num_modules:
       raise ValueError(f"k={self.k} must be <= the head's num_modules={head.cfg.num_modules}")
     return head

@@ -341,6 +341,21 @@ def test_greedy_sd_equals_ar(target, ar_outputs, kind, workload):
   assert sum(s.num_draft_tokens for s in metrics.steps) > 0
 
 
+def test_random_reduced_vocab_eagle3_head(target, ar_outputs):
+  """A random EAGLE-3 head with ``draft_vocab_size`` (the drafting cost of a trained
+  reduced-vocabulary head) drafts ids below that size and stays lossless."""
+  method = _method("eagle3", draft_vocab_size=VOCAB // 4)
+  engine = Engine(target, method, ENGINE)
+  head = method.build_head(engine.runtime)
+  assert head.lm_head[...].shape == (target.config.hidden_size, VOCAB // 4)
+  requests = _requests(*WORKLOADS["batch3"])
+  outputs, metrics = engine.generate(requests)
+  assert [o.output_token_ids for o in outputs] == ar_outputs("batch3")
+  assert sum(s.num_draft_tokens for s in metrics.steps) > 0
+  with pytest.raises(ValueError, match="draft_vocab_size=8 is only for kind"):
+    Engine(target, _method("eagle", draft_vocab_size=8), ENGINE).generate(requests[:1])
+
+
 def _step_counters(metrics):
   return [(s.num_rows, s.num_draft_tokens, s.num_accepted, s.num_emitted) for s in metrics.steps]
 
@@ -501,6 +516,8 @@ def test_method_config_errors(target, tmp_path):
   save_head(path, _head("mtp", target.config))
   with pytest.raises(ValueError, match="kind"):
     make_method("medusa", K, head_path=path)
+  with pytest.raises(ValueError, match="draft_vocab_size=8 is for a random head"):
+    make_method("mtp", K, head_path=path, draft_vocab_size=8)
   engine = Engine(target, make_method("mtp", K + 1, head_path=path), ENGINE)
   with pytest.raises(ValueError, match="num_modules"):
     engine.generate(_requests(1, 1))
