@@ -21,6 +21,10 @@ each over the file's first ``num_requests(B)`` records whose prompt + output fit
                          step verifies a padded batch; EAGLE-3 trace.
   ``combination_w{W}``   likewise with the per-position longer run of EAGLE-3 and n-gram
                          (the shorter list), the seed's oracle combination.
+  ``verify_skip_k{k}``   ``methods.verify_skip`` over the zero-cost drafter on the host
+                         path (k drafts, n-gram trace), its cost table this batch size's
+                         measured AR and ``ngram_k`` steps (``verify_skip_method``): the
+                         one to compare with the best ``ngram_k``.
 
 Measured per point over the steady (non-compiling) engine steps whose batch was full
 (every slot busy; B = 1: every step): ``tau`` = committed tokens per row-step,
@@ -51,7 +55,7 @@ from harness.traces import MethodTrace, replay_requests
 
 __all__ = ["EAGLE", "NGRAM", "Point", "StudyConfig", "combined_records", "engine_groups",
            "fitting_records", "measure_study", "num_requests", "simulate_points",
-           "study_points", "summary_table"]
+           "study_points", "summary_table", "verify_skip_method"]
 
 EAGLE, NGRAM = "eagle", "ngram"  # the seed files' trace names
 COMBINED = "eagle+ngram"
@@ -61,16 +65,17 @@ COMBINED = "eagle+ngram"
 class Point:
   """One measured configuration: ``label``; ``drafter`` (a ``harness.engine_loop.DRAFTERS``
   name); ``trace`` (the replayed list: EAGLE, NGRAM or COMBINED; None for AR); ``length``
-  (drafts per step, 0 = AR); ``policy`` the simulator's ``(kind, methods, k)``."""
+  (drafts per step, 0 = AR); ``policy`` the simulator's ``(kind, methods, k)``, None
+  where the simulators have no counterpart (the lookup's cost, verify skipping)."""
 
   label: str
   drafter: str
   trace: str | None
   length: int
-  policy: tuple
+  policy: tuple | None
 
 
-def study_points(fixed_k=(1, 3, 5), oracle_widths=(8,)) -> list[Point]:
+def study_points(fixed_k=(1, 3, 5), oracle_widths=(8,), verify_skip=True) -> list[Point]:
   """The points of one (file, batch size), AR first (module docstring). A verify of 17
   query rows (W = 16) exceeds the H200's shared memory in the ``pallas_gpu`` attention
   kernel (232,712 > 232,448 bytes, measured): W > 8 there needs ``reference``."""
@@ -82,7 +87,9 @@ def study_points(fixed_k=(1, 3, 5), oracle_widths=(8,)) -> list[Point]:
   for k in fixed_k:
     pts.append(Point(f"eagle3_k{k}", "eagle3", EAGLE, k, ("fixed", (EAGLE,), k)))
   k = max(fixed_k)
-  pts.append(Point(f"ngram_lookup_k{k}", "ngram", NGRAM, k, ("fixed", (NGRAM,), k)))
+  pts.append(Point(f"ngram_lookup_k{k}", "ngram", NGRAM, k, None))
+  if verify_skip:
+    pts.append(Point(f"verify_skip_k{k}", "verify_skip", NGRAM, k, None))
   for w in oracle_widths:
     pts.append(Point(f"oracle_eagle3_w{w}", "constant", EAGLE, w, ("oracle", (EAGLE,), w)))
   for w in oracle_widths:
@@ -190,8 +197,11 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
           attention_implementation=cfg.attention_implementation,
           max_num_batched_tokens=max(512, min(8192, 256 * batch)),
           acceptance_replay=bool(head.length))
-      options = cfg.drafter_options if head.drafter == "eagle3" else None
-      method = drafter_method(head.drafter, head.length, model_cfg, options)
+      if head.drafter == "verify_skip":
+        method = verify_skip_method(head.length, batch, ar_ms, zero_ms)
+      else:
+        options = cfg.drafter_options if head.drafter == "eagle3" else None
+        method = drafter_method(head.drafter, head.length, model_cfg, options)
       engine = Engine(split, method, ecfg)
       t0 = time.perf_counter()
       every = [r for _, _, reqs in runs for r in reqs]  # ids repeat across files, points
@@ -220,7 +230,9 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
               full_steps=len(full), steps=len(met.steps), tau=tau, step_ms=step_ms, c=c,
               speedup=tau / c,
               verify_share=zero_ms.get((data, p.length, rep), float("nan")) / step_ms
-              if p.length else float("nan"),
+              if p.length and p.drafter != "verify_skip" else float("nan"),
+              mean_verify_width=float(np.mean([s.query_bucket - 1 for s in full]))
+              if full else float("nan"),
               wall_s=wall, warmup_s=warm_s, prefill_s=met.prefill_s,
               num_compiles=met.num_compiles, device=jax.devices()[0].device_kind,
               backend=jax.default_backend(),
@@ -235,6 +247,30 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
             pd.DataFrame(rows).to_csv(cfg.csv_path, index=False)
       del engine
   return pd.DataFrame(rows)
+
+
+def verify_skip_method(k: int, batch: int, ar_ms: dict, zero_ms: dict):
+  """``methods.verify_skip.VerifySkip`` over the zero-cost host drafter (k drafts),
+  with this batch size's measured ``T(B, L)`` as its cost (``TableVerifyCost``): the AR
+  step and the zero-cost drafter's steps at each fixed k <= ``k`` (ms, keyed
+  ``(data, rep)`` and ``(data, L, rep)``; the mean over files and repeats).
+
+  Raises:
+    ValueError: the AR point or the zero-cost point at ``k`` was not measured first.
+  """
+  from harness.synthetic import ConstantDrafter  # noqa: PLC0415
+  from methods.verify_skip import VerifySkip  # noqa: PLC0415
+  from specjax.cost_model import TableVerifyCost  # noqa: PLC0415
+
+  lengths = sorted({n for _, n, _ in zero_ms if n <= k})
+  if not ar_ms or k not in lengths:
+    raise ValueError(f"verify_skip_k{k} needs the ar and ngram_k{k} points measured before "
+                     f"it at batch {batch}; have L={lengths}")
+  seconds = [float(np.mean(list(ar_ms.values())))] + [
+      float(np.mean([v for (_, n, _), v in zero_ms.items() if n == m])) for m in lengths]
+  table = TableVerifyCost(batches=(batch,), lengths=(0, *lengths),
+                          seconds=(tuple(v / 1e3 for v in seconds),))
+  return VerifySkip(k=k, drafter=ConstantDrafter(k=k, device=False), cost_model=table)
 
 
 def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_tokens: int,
@@ -263,7 +299,7 @@ def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_to
       for label in sub[sub.batch == batch].point.unique():
         p = by_point.get(label)
         row = dict(data=data, batch=int(batch), point=label)
-        if p is not None and p.length and p.drafter != "ngram":
+        if p is not None and p.policy is not None and p.length:
           kind, methods, k = p.policy
           pol = Policy(kind=kind, methods=methods, k=k)
           sim = simulate(records[:n], engine_cost, pol, int(batch), batching="continuous")

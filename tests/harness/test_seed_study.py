@@ -57,6 +57,8 @@ def test_combined_and_fitting_records():
 def test_bad_points_are_errors():
   with pytest.raises(ValueError, match="fixed_k"):
     seed_study.study_points((0, 3), (8,))
+  with pytest.raises(ValueError, match="needs the ar and ngram_k5 points measured before"):
+    seed_study.verify_skip_method(5, 4, {("d", 0): 5.0}, {("d", 3, 0): 6.0})
 
 
 def test_measured_tau_equals_the_simulator_at_batch_one(tmp_path):
@@ -65,7 +67,7 @@ def test_measured_tau_equals_the_simulator_at_batch_one(tmp_path):
   target = split_model(random_model(tiny_config("llama"), seed=1))
   points = tuple(p for p in seed_study.study_points((1, 3), (4,))
                  if p.label in ("ar", "eagle3_k3", "ngram_k1", "ngram_k3", "ngram_lookup_k3",
-                                "oracle_eagle3_w4", "combination_w4"))
+                                "verify_skip_k3", "oracle_eagle3_w4", "combination_w4"))
   cfg = seed_study.StudyConfig(files=(path,), batch_sizes=(1,), points=points,
                                min_requests=3, max_total_tokens=64,
                                csv_path=os.path.join(tmp_path, "m.csv"))
@@ -80,7 +82,7 @@ def test_measured_tau_equals_the_simulator_at_batch_one(tmp_path):
   both = seed_study.simulate_points(measured, [path], cost, points=points,
                                     max_total_tokens=64, requests_per_slot=2, min_requests=3,
                                     read_records=read_jsonl, seed_cost=cost)
-  replayed = both[~both.point.isin(["ar", "ngram_lookup_k3"])]
+  replayed = both[~both.point.isin(["ar", "ngram_lookup_k3", "verify_skip_k3"])]
   assert len(replayed) == 5
   np.testing.assert_allclose(replayed.tau, replayed.sim_specjax_tau, rtol=0, atol=1e-12)
   assert replayed.sim_seed_speedup.notna().all()
@@ -88,6 +90,10 @@ def test_measured_tau_equals_the_simulator_at_batch_one(tmp_path):
   assert ar.tau == 1.0 and ar.c == 1.0
   zero = both[both.point == "ngram_k3"].iloc[0]
   assert zero.verify_share == 1.0
+  # verify skipping truncates the n-gram drafts: never more committed than k = 3 commits
+  skip = both[both.point == "verify_skip_k3"].iloc[0]
+  assert 1.0 <= skip.tau <= zero.tau and 0 < skip.mean_verify_width <= 3
+  assert np.isnan(skip.verify_share) and np.isnan(skip.sim_specjax_tau)
   np.testing.assert_allclose(both.speedup, both.tau / both.c)
   table = seed_study.summary_table(both)
   assert table.loc[table.point == "ngram_k3", "ngram_lookup_ms"].notna().all()
