@@ -153,17 +153,19 @@ class EvalConfig:
     request_rate: requests/s of Poisson arrivals (online mode); None = offline (all
       requests at once, ``max_num_seqs`` of them running at a time).
     dtype: "float32" or "bfloat16" for the models.
-    warmup: run a warm-up subset of the workload untimed per engine before measuring.
+    warmup: run a warm-up subset of the workload untimed per engine before measuring
+      (``_warmup_requests``: with ``precompile``, a batch of the shortest prompts).
     precompile: before the warm-up pass, compile every decode, verify and prefill shape
       the measured passes can meet (``Engine.precompile``: in ``precompile_threads``
-      threads, then one all-padding call each), so they compile none; costs the
-      compiles of shapes the workload may not reach (about 11 s each for SmolLM2 on a
-      2-core CPU, far less from a warm compilation cache).
+      threads, then one all-padding call each, but for prefills on a CPU), so they
+      compile none; costs the compiles of shapes the workload may not reach (about 11 s
+      each for SmolLM2 on a 2-core CPU, far less from a warm compilation cache).
     precompile_threads: compile threads of ``precompile`` (None: the machine's cores,
       at most 16; 1: one shape at a time).
     warmup_tokens: max new tokens per request in that warm-up pass (None: the full
-      ``max_new_tokens``). A short warm-up compiles every prefill bucket and the early
-      decode buckets; buckets first reached later compile inside the measured pass,
+      ``max_new_tokens``). Without ``precompile``, a short warm-up compiles every prefill
+      bucket and the early decode buckets; buckets first reached later compile inside
+      the measured pass,
       where those steps are flagged, left out of ``decode_s`` and step means, and
       reported as ``num_compiles``/``compile_s``.
     chat_template: apply the tokenizer's chat template when it has one.
