@@ -157,8 +157,8 @@ class EvalConfig:
       (``_warmup_requests``: with ``precompile``, a batch of the shortest prompts).
     precompile: before the warm-up pass, compile every decode, verify and prefill shape
       the measured passes can meet (``Engine.precompile``: in ``precompile_threads``
-      threads, then one all-padding call each, but for prefills on a CPU), so they
-      compile none; costs the compiles of shapes the workload may not reach (about 11 s
+      threads, then one all-padding call each where not on a CPU), so they compile
+      none; costs the compiles of shapes the workload may not reach (about 11 s
       each for SmolLM2 on a 2-core CPU, far less from a warm compilation cache).
     precompile_threads: compile threads of ``precompile`` (None: the machine's cores,
       at most 16; 1: one shape at a time).
