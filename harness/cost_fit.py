@@ -5,7 +5,9 @@ time so every point counts by its relative error) on ``benchmarks.engine_loop`` 
 (target forward from the profiled ``device_ms``; overheads from ``step_ms - device_ms`` of
 AR rows, L = 0, and SD rows) and ``harness.evaluation`` ``results.csv`` files (per-method
 ``draft_ms`` against ``batch_size`` and ``k``); the target's query tokens are the engine's
-padded ``bucket(B) * (bucket(L) + 1)``. The model's JSON records the device, JAX version,
+padded ``bucket(B) * (bucket(L) + 1)``, and the target's ``query_knee`` (the
+roofline's bend: query tokens that ride along with the weight read) is the best of a
+scan over the measured query-token counts (``_fit_knee``). The model's JSON records the device, JAX version,
 dtype, target and files it came from, and per-part fit errors. The model itself (its
 terms, presets, ``load``) lives in ``specjax.cost_model``.
 """
@@ -38,6 +40,22 @@ def _nnls(features: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, dict]:
   rel = features @ coef / y - 1.0
   return coef, {"num_points": int(y.size), "rms_rel_error": float(np.sqrt(np.mean(rel**2))),
                 "max_abs_rel_error": float(np.max(np.abs(rel)))}
+
+
+def _fit_knee(q: np.ndarray, kv: np.ndarray, y: np.ndarray):
+  """The target's ``query_knee`` and coefficients: the fit of ``[1, max(q - knee, 0), kv]``
+  with the smallest rms relative error over knee = 0 and each measured q but the two
+  largest (two distinct q above a knee identify its slope); ties go to the smaller knee."""
+  ones = np.ones_like(q)
+  distinct = np.unique(q)
+  best = None
+  for knee in [0.0, *distinct[:-2]]:
+    coef, stats = _nnls(np.stack([ones, np.maximum(q - knee, 0.0), kv], 1), y)
+    if best is None or stats["rms_rel_error"] < best[2]["rms_rel_error"] - 1e-12:
+      best = (float(knee), coef, stats)
+  knee, coef, stats = best
+  stats["query_knee"] = knee
+  return knee, coef, stats
 
 
 def _single(frame, column: str):
@@ -79,8 +97,9 @@ def fit(engine_loop_frames, eval_frames=(), *, new_tokens: int = 64, name: str =
                  float)
   device_s = loop.device_ms.to_numpy(float) / 1e3
   ones = np.ones_like(batch)
-  coef, target_stats = _nnls(np.stack([ones, q, kv], 1), device_s)
-  target = TargetCost(fixed_s=coef[0], per_query_token_s=coef[1], per_kv_token_s=coef[2])
+  knee, coef, target_stats = _fit_knee(q, kv, device_s)
+  target = TargetCost(fixed_s=coef[0], per_query_token_s=coef[1], per_kv_token_s=coef[2],
+                      query_knee=knee)
 
   host_s = np.maximum(loop.step_ms.to_numpy(float) / 1e3 - device_s, 1e-6)
   ar, sd = length == 0, length > 0

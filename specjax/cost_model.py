@@ -8,7 +8,8 @@ control (``methods.turbospec``, ``methods.sv``) and verify skipping
 All times are seconds, all counts tokens or rows (Python or numpy numbers). One step of
 B rows, row r verifying ``l_r`` drafts, costs ``CostModel.step_time``:
 
-  target(B, q, kv)   = fixed_s + per_row_s * B + per_query_token_s * q + per_kv_token_s * kv
+  target(B, q, kv)   = fixed_s + per_row_s * B + per_query_token_s * max(q - query_knee, 0)
+                       + per_kv_token_s * kv
   draft_m(R_m, L_m, kv, verify_s)
                      = 0 when no row of method m drafts, else
                        fixed_s + per_row_s * R_m + per_step_s * L_m + per_row_token_s * R_m * L_m
@@ -72,17 +73,33 @@ def bucket(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TargetCost:
-  """Target forward seconds: ``fixed_s + per_row_s * rows + per_query_token_s * q +
-  per_kv_token_s * kv`` (module docstring)."""
+  """Target forward seconds: ``fixed_s + per_row_s * rows + per_query_token_s *
+  max(q - query_knee, 0) + per_kv_token_s * kv`` (module docstring).
+
+  ``query_knee`` (tokens, default 0: linear in q, the seed's form) is where the forward
+  stops being bound by reading the weights: below it more query tokens ride along with
+  the weight read for free (a roofline's flat part), above it each costs
+  ``per_query_token_s`` (its compute-bound slope). ``harness.cost_fit.fit`` chooses it.
+
+  Raises:
+    ValueError: ``query_knee`` < 0.
+  """
 
   fixed_s: float
   per_query_token_s: float
   per_kv_token_s: float
   per_row_s: float = 0.0
+  query_knee: float = 0.0
+
+  def __post_init__(self):
+    if self.query_knee < 0:
+      raise ValueError(f"query_knee={self.query_knee} must be >= 0 (query tokens)")
 
   def time(self, kv_tokens, query_tokens, rows=0):
     """Seconds (float, or an array if an argument is one) of a forward of ``rows`` rows,
     ``query_tokens`` tokens in all, reading ``kv_tokens`` KV positions in all."""
+    if self.query_knee:
+      query_tokens = np.maximum(np.asarray(query_tokens, float) - self.query_knee, 0.0)
     return (self.fixed_s + self.per_row_s * rows + self.per_query_token_s * query_tokens
             + self.per_kv_token_s * kv_tokens)
 

@@ -71,3 +71,24 @@ def test_fit_errors():
     cost_fit.fit([frame, frame.assign(target="other")])
   with pytest.raises(ValueError, match="must be a preset"):
     cost_model.load("no-such-model")
+
+
+def test_fit_finds_the_query_knee():
+  # A roofline-shaped target: flat up to 128 query tokens (the weight read hides them),
+  # then 0.02 ms per token; the linear fit cannot follow it, the knee scan finds 128.
+  frame = _loop_frame()
+  q = np.asarray([cost_model.bucket(b) * (cost_model.bucket(n) + 1)
+                  for b, n in zip(frame.batch, frame.L)], float)
+  kv = frame.batch * (frame.context + 64 / 2)
+  device = 4.0 + 0.02 * np.maximum(q - 128, 0) + 1e-4 * kv
+  frame = frame.assign(device_ms=device, step_ms=device + (frame.step_ms - frame.device_ms))
+  model = cost_fit.fit([frame], new_tokens=64)
+  assert model.target.query_knee == 128
+  assert model.target.per_query_token_s == pytest.approx(2e-5, rel=1e-6)
+  assert model.meta["fit"]["target"]["max_abs_rel_error"] < 1e-9
+  assert model.target.time(0, 100) == pytest.approx(4e-3)  # below the knee: flat
+  assert model.target.time(0, 228) == pytest.approx(4e-3 + 100 * 2e-5)
+  # Linear data keep knee 0 (the first test), and a negative knee is refused.
+  assert cost_fit.fit([_loop_frame()]).target.query_knee == 0
+  with pytest.raises(ValueError, match="query_knee=-1"):
+    cost_model.TargetCost(fixed_s=0, per_query_token_s=0, per_kv_token_s=0, query_knee=-1)
