@@ -26,7 +26,14 @@ without probabilities). Chains and trees mix: chains become one-branch trees whe
 row's draft is a tree.
 
 Supported members: host drafters (``suffix``, ``ngram``) and at most one device
-drafter without target hidden states (``draft_model``).
+drafter called from the host (``draft_model``, or a learned head such as ``eagle3``,
+whose target features every verify step hands to it for all rows, so its state follows
+rows other members drafted).
+
+Acceptance replay (measurement, ``EngineConfig.replay_sources`` = number of members):
+row i's step replays the trace of the member that drafted it (``Draft.replay_source`` =
+its index in ``drafters``), e.g. the seed traces' n-gram and EAGLE-3 acceptance of one
+request, so the choice is judged on each member's own recorded acceptance.
 
 Which member drafted each row is counted per ``generate`` call in
 ``AdaptiveStats.chosen`` (member name or "none" -> rows); the engine's
@@ -146,11 +153,12 @@ class Adaptive(Method):
                        f"{self.name!r}")
     devices = [m.name for m in members if m.host_capabilities().runs_on != "host"]
     bad = [m.name for m in members
-           if m.num_speculative_tokens == 0 or m.host_capabilities().target_hidden_layers]
+           if m.num_speculative_tokens == 0 or (m.host_capabilities().target_hidden_layers
+               and m.host_capabilities().runs_on == "host")]
     if bad or len(devices) > 1:
       raise ValueError(f"drafters={names!r}: adaptive composes drafting host methods "
-                       "(suffix, ngram) and at most one device drafter without target hidden "
-                       f"states (draft_model); refused: {bad or devices}")
+                       "(suffix, ngram) and at most one device drafter (draft_model, eagle3); "
+                       f"refused: {bad or devices}")
     wrong_k = [m.name for m in members if m.num_speculative_tokens != self.k]
     if wrong_k:
       raise ValueError(f"drafters={names!r}: members {wrong_k} must draft k={self.k} tokens")
@@ -165,7 +173,9 @@ class Adaptive(Method):
         runs_on="device" if any(c.runs_on != "host" for c in caps) else "host",
         emits_draft_probs=any(c.emits_draft_probs for c in caps),
         tree=any(c.tree for c in caps),
-        needs_draft_model=any(c.needs_draft_model for c in caps))
+        needs_draft_model=any(c.needs_draft_model for c in caps),
+        target_hidden_layers=next((c.target_hidden_layers for c in caps
+                                   if c.target_hidden_layers), ()))
 
   def describe(self) -> dict:
     """The config with the members by name (``"drafters": ("suffix", "ngram")``)."""
@@ -268,7 +278,8 @@ class Adaptive(Method):
       use[:rows] = choice == probs_from
       one_hot = jax.nn.one_hot(jnp.asarray(padded), src.shape[-1], dtype=src.dtype)
       probs = jnp.where(jnp.asarray(use)[:, None, None], src, one_hot)
-    return Draft(tokens, num, probs=probs, parents=parents)
+    return Draft(tokens, num, probs=probs, parents=parents,
+                 replay_source=np.maximum(choice, 0).astype(np.int32))
 
   # ------------------------------------------------------------------ observe
   def observe(self, state: _State, result: VerifyResult) -> _State:
@@ -290,4 +301,6 @@ class Adaptive(Method):
     return state
 
   def observe_prefill(self, state: _State, result):
+    state.member_states = [m.observe_prefill(s, result)
+                           for m, s in zip(state.members, state.member_states)]
     return state

@@ -14,6 +14,7 @@ a padding row is ``[-1, -1, -1, -1, -1, 0, -1, -1]``:
   ``W + 0``       slot of the row in the ``SlotState`` (-1: padding row)
   ``W + 1``       number of host drafts
   ``W + 2 ..``    L host draft tokens (-1 padded)
+  ``W + 2 + L``   only with ``replay_source``: the row's replayed-acceptance source
 
 ``AttentionMetadata`` lives next to the kernel it describes
 (``pallas_kernels.paged_attention.metadata``) and is re-exported here.
@@ -53,7 +54,7 @@ class StepBatch:
 
 
 def build_batch(*, batch: int, width: int, length: int, page_tables: list[list[int]],
-                slots, num_draft=None, drafts=None) -> StepBatch:
+                slots, num_draft=None, drafts=None, replay_source=None) -> StepBatch:
   """Packs ``len(page_tables)`` real rows into a ``StepBatch`` of ``batch`` rows.
 
   Args:
@@ -61,6 +62,8 @@ def build_batch(*, batch: int, width: int, length: int, page_tables: list[list[i
     slots: per row, its decode slot.
     num_draft, drafts: per row, host draft counts and ``i32[rows, length]`` tokens (None:
       no host drafts).
+    replay_source: None (no column), or per row the source of its replayed acceptance
+      (``EngineConfig.replay_sources``; padding rows 0).
 
   Raises:
     ValueError: a row has more pages than ``width`` or more drafts than ``length``.
@@ -68,8 +71,12 @@ def build_batch(*, batch: int, width: int, length: int, page_tables: list[list[i
   rows = len(page_tables)
   if rows > batch:
     raise ValueError(f"{rows=} real rows must be <= batch={batch}")
-  ints = np.full((batch, width + _FIXED + length), -1, np.int32)
+  extra = replay_source is not None
+  ints = np.full((batch, width + _FIXED + length + extra), -1, np.int32)
   ints[:, width + 1] = 0
+  if extra:
+    ints[:, -1] = 0
+    ints[:rows, -1] = replay_source
   for i, pages in enumerate(page_tables):
     if len(pages) > width:
       raise ValueError(f"row {i} has {len(pages)} pages; the step's table holds {width=}")
@@ -81,7 +88,7 @@ def build_batch(*, batch: int, width: int, length: int, page_tables: list[list[i
       raise ValueError(f"num_draft={nd.tolist()} must be <= the step's draft width {length}")
     ints[:rows, width + 1] = nd
   if drafts is not None:
-    ints[:rows, width + _FIXED:] = drafts
+    ints[:rows, width + _FIXED: width + _FIXED + length] = drafts
   return StepBatch(ints, width, length)
 
 
@@ -94,10 +101,14 @@ class DeviceBatch:
   slots: jax.Array  # i32[B]
   num_draft: jax.Array  # i32[B]
   drafts: jax.Array  # i32[B, L]
+  replay_source: jax.Array | None = None  # i32[B], with the column
 
 
-def unpack_batch(ints: jax.Array, length: int) -> DeviceBatch:
-  """Inverse of ``build_batch`` inside a jitted step (``length`` static)."""
-  width = ints.shape[1] - _FIXED - length
+def unpack_batch(ints: jax.Array, length: int, replay_source: bool = False) -> DeviceBatch:
+  """Inverse of ``build_batch`` inside a jitted step (``length``, ``replay_source``:
+  whether the batch has the source column, static)."""
+  width = ints.shape[1] - _FIXED - length - replay_source
   return DeviceBatch(page_indices=ints[:, :width], slots=ints[:, width],
-                     num_draft=ints[:, width + 1], drafts=ints[:, width + _FIXED:])
+                     num_draft=ints[:, width + 1],
+                     drafts=ints[:, width + _FIXED: width + _FIXED + length],
+                     replay_source=ints[:, -1] if replay_source else None)

@@ -135,6 +135,10 @@ class EngineConfig:
       ``min(replay_acc_len[i] - 1, L)`` of a row's L drafts, whatever the drafts and the
       target (the seed study's traces on random-weight shapes). NOT lossless; exclusive
       with ``synthetic_acceptance``.
+    replay_sources: recorded traces per request under ``acceptance_replay``: 1 (default,
+      ``Request.replay_acc_len``) or more (``Request.replay_sources`` holds the others; a
+      host-path method picks a row's by ``Draft.replay_source``; fused steps replay
+      source 0).
     seed: engine seed for requests without their own.
     mesh: None (one device, no sharding), or a ``("data", "model")``
       ``jax.sharding.Mesh`` of data size 1 (``specjax.sharding.make_mesh``): the target
@@ -158,6 +162,7 @@ class EngineConfig:
   steps_per_dispatch: int = 2
   synthetic_acceptance: tuple[float, ...] | None = None
   acceptance_replay: bool = False
+  replay_sources: int = 1
   seed: int = 0
   mesh: object = None
   draft_sharding: str = "replicated"
@@ -190,8 +195,10 @@ class EngineConfig:
       if self.acceptance_replay:
         raise ValueError("acceptance_replay=True and synthetic_acceptance="
                          f"{self.synthetic_acceptance!r} exclude each other (pick one)")
+    if self.replay_sources > 1 and not self.acceptance_replay:
+      raise ValueError(f"replay_sources={self.replay_sources} needs acceptance_replay=True")
     for name in ("max_num_seqs", "max_model_len", "page_size", "min_prefill_bucket",
-                 "max_num_batched_tokens", "steps_per_dispatch"):
+                 "max_num_batched_tokens", "steps_per_dispatch", "replay_sources"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
     if self.num_pages is not None and self.num_pages < self.pages_per_seq:

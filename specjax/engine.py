@@ -156,19 +156,27 @@ class Engine:
 
   def _validate_replay(self, r: Request) -> None:
     """``Request.replay_acc_len`` is given exactly when the engine replays acceptance,
-    with an entry >= 1 for every output position ``max_tokens`` allows."""
+    with an entry >= 1 for every output position ``max_tokens`` allows, and
+    ``Request.replay_sources`` holds ``EngineConfig.replay_sources - 1`` such traces."""
     acc = r.replay_acc_len
     if not self.config.acceptance_replay:
-      if acc is not None:
+      if acc is not None or r.replay_sources:
         raise ValueError(f"request {r.request_id!r} carries replay_acc_len but the engine "
                          "does not replay acceptance (EngineConfig.acceptance_replay=False)")
       return
+    if len(r.replay_sources) != self.config.replay_sources - 1:
+      raise ValueError(f"request {r.request_id!r}: {len(r.replay_sources)} replay_sources; "
+                       f"the engine replays {self.config.replay_sources} sources, so it must "
+                       f"be {self.config.replay_sources - 1}")
     need = min(r.sampling.max_tokens, self.config.max_model_len - len(r.prompt_token_ids))
-    if acc is None or len(acc) < need or (len(acc) and min(acc) < 1):
-      raise ValueError(
-          f"request {r.request_id!r}: replay_acc_len must hold >= {need} entries >= 1 (one "
-          f"per output position up to max_tokens), got "
-          f"{None if acc is None else f'{len(acc)} entries, min {min(acc, default=None)}'}")
+    for name, trace in (("replay_acc_len", acc), *(
+        (f"replay_sources[{i}]", a) for i, a in enumerate(r.replay_sources))):
+      if trace is None or len(trace) < need or (len(trace) and min(trace) < 1):
+        got = (None if trace is None
+               else f"{len(trace)} entries, min {min(trace, default=None)}")
+        raise ValueError(
+            f"request {r.request_id!r}: {name} must hold >= {need} entries >= 1 (one "
+            f"per output position up to max_tokens), got {got}")
 
   def _sampler_plan(self, rows: list[RequestState], is_tree: bool):
     """``(sampler, fused implementation, jnp_rows)`` of a step (``StepPlan.sampler``;
@@ -331,7 +339,8 @@ class Engine:
       sched.add(st)
     self.slots = self._commit(init_slots(cfg.max_num_seqs, cfg.max_model_len,
                                          self._num_stop_ids(requests),
-                                         replay=cfg.acceptance_replay))
+                                         replay=cfg.acceptance_replay,
+                                         replay_sources=cfg.replay_sources))
     self._slot_free = SlotAllocator(cfg.max_num_seqs)
     method_state = self.method.init_state(self.runtime)
     if self.mesh is not None:  # a draft's KV pool, a head's weights: onto the mesh
@@ -469,7 +478,7 @@ class Engine:
         hidden_layers=self.caps.target_hidden_layers if host else (),
         proposer_hidden_layers=() if host else self.caps.target_hidden_layers,
         has_draft_probs=probs, synthetic_acceptance=self.config.synthetic_acceptance,
-        replay=self.config.acceptance_replay,
+        replay=self.config.acceptance_replay, replay_sources=self.config.replay_sources,
         num_layers=self.target.config.num_layers)
 
   def _step_args(self, plan, batch, draft_tokens=None, draft_probs=None, tree_arrays=None):
@@ -628,6 +637,24 @@ class Engine:
                            f"counted draft tokens must be in [0, {vocab})")
     return kept
 
+  def _replay_source(self, draft, rows: int):
+    """The batch's replay-source column (``EngineConfig.replay_sources`` > 1): the
+    method's ``Draft.replay_source`` (default 0 per row), else None (no column).
+
+    Raises:
+      ValueError: a source outside ``[0, replay_sources)``.
+    """
+    n = self.config.replay_sources
+    if not (self.config.acceptance_replay and n > 1):
+      return None
+    if draft.replay_source is None:
+      return np.zeros(rows, np.int32)
+    src = np.asarray(draft.replay_source, np.int32)[:rows]
+    if src.shape != (rows,) or (src < 0).any() or (src >= n).any():
+      raise ValueError(f"method {self.method.name!r}: Draft.replay_source={src.tolist()} must "
+                       f"hold one source in [0, {n}) per row ({rows} rows)")
+    return src
+
   def _host_step(self, sched, method_state, metrics, start, seen_by_method):
     """One synchronous step of a method whose ``propose`` the host calls: propose, one
     fused device call (drafts from the host), commit, observe."""
@@ -694,7 +721,8 @@ class Engine:
         batch=batch, width=width, length=length,
         page_tables=[st.pages[: pages_needed(n + int(d), cfg.page_size)]
                      for st, n, d in zip(rows, lens, kept)],
-        slots=[st.slot for st in rows], num_draft=kept, drafts=host_drafts)
+        slots=[st.slot for st in rows], num_draft=kept, drafts=host_drafts,
+        replay_source=self._replay_source(draft, len(rows)))
     tree_arrays = reach = None
     if is_tree:
       parents = np.full((batch, length), -1, np.int32)

@@ -65,6 +65,9 @@ class Draft:
       token), parents before children (``specjax.tree``); None for chains.
     kv_caches: the target KV pool handed back by a ``drafts_in_target_kv`` method
       (None otherwise).
+    replay_source: optional ``i32[rows]``, measurement only: under acceptance replay
+      with several sources (``EngineConfig.replay_sources``), the recorded trace each
+      row's step replays (the drafter that drafted it); None: source 0.
   """
 
   tokens: np.ndarray
@@ -72,6 +75,7 @@ class Draft:
   probs: Any = None
   parents: np.ndarray | None = None
   kv_caches: Any = None
+  replay_source: np.ndarray | None = None
 
 
 @dataclasses.dataclass

@@ -99,7 +99,8 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
   sampler, fused, _ = engine._sampler_plan(rows, tree)
   engine.slots = engine._commit(init_slots(cfg.max_num_seqs, cfg.max_model_len,
                                            engine._num_stop_ids(requests),
-                                           replay=cfg.acceptance_replay))
+                                           replay=cfg.acceptance_replay,
+                                           replay_sources=cfg.replay_sources))
   if engine.fused:  # committed as in Engine.generate: the same placement signatures
     engine._pparams, engine._pstate = engine._commit(engine.method.init_device(engine.runtime))
   for n in sorted({padded_rows(i) for i in range(1, cfg.max_num_seqs + 1)}):
@@ -116,10 +117,11 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
     for batch in batches:
       for width in widths:
         for length, host in plans:
-          sb = build_batch(batch=batch, width=width, length=length if host else 0,
-                           page_tables=[], slots=[])
           plan = engine._plan(sampler, fused, length, tree=tree and not host, host=host,
                               iterations=1 if host else cfg.steps_per_dispatch)
+          sb = build_batch(batch=batch, width=width, length=length if host else 0,
+                           page_tables=[], slots=[],
+                           replay_source=[] if plan.replay_source_column else None)
           decode.append((plan, sb))
   prefill = [_prefill_args(engine, *shape) for shape in prefill_shapes(
       requests, bucket=bucket, pages_bucket=engine._pages_bucket,

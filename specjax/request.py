@@ -34,6 +34,12 @@ class Request:
       starting at output position i, one entry per output token up to ``max_tokens``);
       the step at output position i accepts ``min(replay_acc_len[i] - 1, L)`` of its L
       drafts instead of verifying them (not lossless). None otherwise.
+    replay_sources: measurement only: further recorded traces of the same request, one
+      per replay source 1, 2, ... (source 0 is ``replay_acc_len``; an engine with
+      ``EngineConfig.replay_sources`` = 1 + their number). A method that says which
+      drafter drafted each row (``Draft.replay_source``, e.g. ``methods.adaptive``: member
+      j's rows replay source j) gets that drafter's acceptance; other rows replay source
+      0. Each trace obeys ``replay_acc_len``'s rules.
   """
 
   request_id: object
@@ -41,6 +47,7 @@ class Request:
   sampling: SamplingParams = SamplingParams()
   arrival_time: float = 0.0
   replay_acc_len: tuple[int, ...] | None = None
+  replay_sources: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass

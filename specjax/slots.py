@@ -43,9 +43,10 @@ class SlotState:
     temperature: ``f32[S]``; top_k: ``i32[S]``; top_p: ``f32[S]``.
     finished: ``bool[S]`` the device committed a stopping token (EOS / stop id /
       max_tokens / max_model_len); stop strings are the host's.
-    replay_acc: ``i32[S, R]`` replayed acceptance (``Request.replay_acc_len`` by output
-      position, 1 past its end; ``EngineConfig.acceptance_replay``), R = M; R = 1 (unused)
-      otherwise.
+    replay_acc: ``i32[S, N, R]`` replayed acceptance by source and output position
+      (source 0 ``Request.replay_acc_len``, source n ``Request.replay_sources[n - 1]``; 1
+      past a trace's end; ``EngineConfig.acceptance_replay``), N =
+      ``EngineConfig.replay_sources``, R = M; ``[S, 1, 1]`` (unused) otherwise.
   """
 
   tokens: jax.Array
@@ -70,9 +71,9 @@ class SlotState:
 
 
 def init_slots(num_slots: int, max_model_len: int, num_stop_ids: int,
-               replay: bool = False) -> SlotState:
+               replay: bool = False, replay_sources: int = 1) -> SlotState:
   """An all-empty ``SlotState`` (every slot finished, no tokens); ``replay``: room for
-  each slot's replayed acceptance (``SlotState.replay_acc``)."""
+  each slot's ``replay_sources`` replayed traces (``SlotState.replay_acc``)."""
   s = num_slots
   return SlotState(
       tokens=jnp.zeros((s, max_model_len), jnp.int32), num_tokens=jnp.zeros(s, jnp.int32),
@@ -80,7 +81,8 @@ def init_slots(num_slots: int, max_model_len: int, num_stop_ids: int,
       stop_ids=jnp.full((s, num_stop_ids), -1, jnp.int32), keys=jnp.zeros((s, 2), jnp.uint32),
       temperature=jnp.zeros(s, jnp.float32), top_k=jnp.zeros(s, jnp.int32),
       top_p=jnp.ones(s, jnp.float32), finished=jnp.ones(s, bool),
-      replay_acc=jnp.ones((s, max_model_len if replay else 1), jnp.int32))
+      replay_acc=jnp.ones((s, replay_sources, max_model_len) if replay else (s, 1, 1),
+                          jnp.int32))
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -131,7 +133,7 @@ def write_slots(state: SlotState, slots: list[int], rows: list, eos_ids: frozens
   floats = np.zeros((n, 2), np.float32)
   stop = np.full((n, e), -1, np.int32)
   keys = np.zeros((n, 2), np.uint32)
-  replay = np.ones((n, state.replay_acc.shape[1]), np.int32)
+  replay = np.ones((n, *state.replay_acc.shape[1:]), np.int32)
   for i, (slot, st) in enumerate(zip(slots, rows)):
     sp = st.request.sampling
     ids = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids)))
@@ -147,10 +149,11 @@ def write_slots(state: SlotState, slots: list[int], rows: list, eos_ids: frozens
     floats[i] = (sp.temperature, sp.top_p)
     stop[i, : len(ids)] = ids
     keys[i] = st.key
-    acc = st.request.replay_acc_len
-    if acc is not None and replay.shape[1] > 1:
-      acc = np.asarray(acc[: replay.shape[1]], np.int32)
-      replay[i, : len(acc)] = acc
+    traces = (st.request.replay_acc_len, *st.request.replay_sources)
+    if traces[0] is not None and replay.shape[2] > 1:
+      for source, acc in enumerate(traces[: replay.shape[1]]):
+        acc = np.asarray(acc[: replay.shape[2]], np.int32)
+        replay[i, source, : len(acc)] = acc
   return _write(state, idx, tokens, ints, floats, stop, keys, replay)
 
 

@@ -160,8 +160,11 @@ class StepPlan:
       Bernoulli(a_j) successes (positions past the tuple use its last value), capped at
       the row's drafts, instead of comparing draft and target (vLLM's "synthetic"
       rejection sampling; for timing the engine loop with random weights; NOT lossless).
-    replay: accept ``min(replay_acc[slot, i] - 1, drafts)`` at each row's output
-      position i (``EngineConfig.acceptance_replay``; NOT lossless); chains only.
+    replay: accept ``min(replay_acc[slot, source, i] - 1, drafts)`` at each row's
+      output position i (``EngineConfig.acceptance_replay``; NOT lossless); chains only.
+    replay_sources: traces per slot under ``replay``; above 1 a host-drafts step's batch
+      carries each row's source (``specjax.batch.build_batch``'s ``replay_source``), other
+      steps replay source 0.
     num_layers: static layer count (KV moves of tree paths).
   """
 
@@ -178,7 +181,13 @@ class StepPlan:
   has_draft_probs: bool = False
   synthetic_acceptance: tuple[float, ...] | None = None
   replay: bool = False
+  replay_sources: int = 1
   num_layers: int = 1
+
+  @property
+  def replay_source_column(self) -> bool:
+    """Whether the packed batch carries a replay-source column."""
+    return self.replay and self.replay_sources > 1 and self.host_drafts
 
   def __post_init__(self):
     if self.sampler not in SAMPLERS:
@@ -237,7 +246,8 @@ def _tree_path_fixups(kv_caches, page_indices, nodes, accepted, positions, hidde
   return kv_caches, hidden
 
 
-def _verify(plan: StepPlan, logits, drafts, parents, num_draft, probs, rows, positions):
+def _verify(plan: StepPlan, logits, drafts, parents, num_draft, probs, rows, positions,
+            replay_source=None):
   """The shared verifier of a step: ``(tokens i32[B, L+1] (-1 padded), accepted i32[B],
   tree nodes or None)``; no method is known here."""
   greedy = plan.sampler == "greedy"
@@ -259,9 +269,15 @@ def _verify(plan: StepPlan, logits, drafts, parents, num_draft, probs, rows, pos
     toks, acc = rejection_sample(logits, drafts, num_draft, probs, temperature, top_k, top_p,
                                  keys, positions, all_greedy=greedy)
   length = plan.length
-  if plan.replay and length:  # row b at output position i accepts replay_acc[b, i] - 1
-    out_pos = jnp.clip(positions - rows["num_prompt"], 0, rows["replay_acc"].shape[1] - 1)
-    recorded = jnp.take_along_axis(rows["replay_acc"], out_pos[:, None], axis=1)[:, 0]
+  if plan.replay and length:  # row b at output position i accepts replay_acc[b, s, i] - 1
+    traces = rows["replay_acc"]  # [B, N, R]
+    if replay_source is None:
+      trace = traces[:, 0]
+    else:
+      src = jnp.clip(replay_source, 0, traces.shape[1] - 1)
+      trace = jnp.take_along_axis(traces, src[:, None, None], axis=1)[:, 0]
+    out_pos = jnp.clip(positions - rows["num_prompt"], 0, trace.shape[1] - 1)
+    recorded = jnp.take_along_axis(trace, out_pos[:, None], axis=1)[:, 0]
     acc = jnp.clip(recorded - 1, 0, num_draft).astype(jnp.int32)
   elif plan.synthetic_acceptance is not None and length:
     acc = _synthetic_accepted(keys, positions, num_draft, plan.synthetic_acceptance, length)
@@ -383,7 +399,8 @@ def _iteration(plan: StepPlan, proposer, graphdef, params, proposer_params, batc
   if plan.proposer_hidden_layers and not plan.tree:  # e.g. a learned head's features
     pstate = proposer.observe_device(proposer_params, pstate, view, tuple(hidden), meta)
     hidden = ()
-  toks, acc, nodes = _verify(plan, out.logits, drafts, parents, num_draft, probs, rows, n_tok)
+  toks, acc, nodes = _verify(plan, out.logits, drafts, parents, num_draft, probs, rows, n_tok,
+                             batch.replay_source)
   if plan.tree:
     kv_caches, hidden = _tree_path_fixups(kv_caches, batch.page_indices, nodes, acc, n_tok,
                                           hidden, plan.num_layers)
@@ -432,7 +449,8 @@ def engine_step(graphdef, params, kv_caches, slots, proposer_params, proposer_st
   """
   from specjax.batch import unpack_batch  # noqa: PLC0415 (batch imports the kernel metadata)
 
-  batch = unpack_batch(ints, plan.length if plan.host_drafts else 0)
+  batch = unpack_batch(ints, plan.length if plan.host_drafts else 0,
+                       plan.replay_source_column)
   step = functools.partial(_iteration, plan, proposer, graphdef, params, proposer_params, batch,
                            draft_tokens, draft_probs, tree_arrays)
   carry = (kv_caches, slots, proposer_state)

@@ -8,6 +8,7 @@ draft model (its own q) in the same sampled steps keep the target's law.
 
 import pytest
 from e2e_lib import (
+    ENGINE_CONFIG,
     K,
     assert_target_law,
     check_counters,
@@ -124,3 +125,56 @@ def test_mixed_drafters_keep_the_target_law(make_engine, target):
   assert chosen["suffix"] > 0 and chosen["draft_model"] > 0, chosen
   for tag, prompt in (("rep", repetitive), ("plain", plain)):
     assert_target_law(target, [o for o in outputs if o.request_id.startswith(tag)], 2, prompt)
+
+
+# ---------------------------------------------------------------- members with features
+def _ngram_eagle3(**options):
+  # A random EAGLE-3 head over the 2-layer target's low/mid/high states.
+  return Adaptive(k=K, drafters=(make_method("ngram", K),
+                                 make_method("eagle3", K, feature_layers=(1, 2, 2))), **options)
+
+
+def test_greedy_adaptive_with_an_eagle3_member_equals_ar(make_engine, reference):
+  method = _ngram_eagle3()
+  assert method.capabilities().target_hidden_layers == (1, 2, 2)
+  requests = make_requests(4, 12)
+  engine = make_engine(method)
+  outputs, metrics = engine.generate(requests)
+  assert [o.output_token_ids for o in outputs] == reference(requests)
+  check_counters(metrics, outputs, K)
+  chosen = _chosen_rows(engine)
+  assert chosen["eagle3"] > 0, chosen  # its features followed the rows n-gram drafted too
+
+
+# ---------------------------------------------------------------- replayed acceptance
+def test_each_row_replays_the_trace_of_the_member_that_drafted_it(make_engine):
+  # Two replay sources per request: suffix (member 0) never accepted, n-gram (member 1)
+  # always wholly accepted; swapped, the other way round. Repetitive prompts: both draft.
+  prompts = [(5, 6, 7, 8) * 4, (9, 1, 2) * 5, (30, 31, 32, 33) * 3, (4, 40) * 6]
+  config = ENGINE_CONFIG.replace(acceptance_replay=True, replay_sources=2)
+  n = 20
+  for never, always in (("suffix", "ngram"), ("ngram", "suffix")):
+    traces = {never: (1,) * n, always: (K + 1,) * n}
+    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True),
+                        replay_acc_len=traces["suffix"], replay_sources=(traces["ngram"],))
+                for i, p in enumerate(prompts)]
+    engine = make_engine(make_method("adaptive", K, drafters=("suffix", "ngram")), config)
+    _, metrics = engine.generate(requests)
+    stats = Adaptive.stats(engine.runtime)
+    assert stats.chosen[never] > 0 and stats.chosen[always] > 0, stats.chosen
+    assert stats.accepted[never] == 0
+    assert stats.accepted[always] == stats.estimates[always].drafted.sum() > 0
+    assert sum(stats.accepted.values()) == sum(s.num_accepted for s in metrics.steps)
+
+
+def test_replay_sources_are_checked(make_engine):
+  sp = SamplingParams(max_tokens=4, ignore_eos=True)
+  engine = make_engine(make_method("adaptive", K, drafters=("suffix", "ngram")),
+                       ENGINE_CONFIG.replace(acceptance_replay=True, replay_sources=2))
+  with pytest.raises(ValueError, match="0 replay_sources; the engine replays 2 sources"):
+    engine.generate([Request("a", (1, 2), sp, replay_acc_len=(2,) * 4)])
+  with pytest.raises(ValueError, match=r"replay_sources\[0\] must hold >= 4 entries"):
+    engine.generate([Request("a", (1, 2), sp, replay_acc_len=(2,) * 4,
+                             replay_sources=((2,) * 3,))])
+  with pytest.raises(ValueError, match="replay_sources=2 needs acceptance_replay=True"):
+    ENGINE_CONFIG.replace(replay_sources=2)
