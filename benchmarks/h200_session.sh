@@ -388,15 +388,17 @@ for step in "$@"; do
         --max_new_tokens=128 --batch_sizes=1,4 --repeats=3 --output_dir="$OUT/eval_device_loop" ;;
     seed_study)  # the seed study (docs/gpu/seed_study): SEED_FILES (trace names) at
       # SEED_BATCHES, every file in one process (one warm-up per engine and batch size);
-      # the random EAGLE-3 head drafts over 32,000 ids, as the seed's trained head does
+      # the random EAGLE-3 head drafts over 32,000 ids, as the seed's trained head does;
+      # SEED_POINTS: only AR and these points; SEED_TAG: a suffix of the output folder
       files=""
       for f in ${SEED_FILES:-instructcoder gsm8k cnn sharegpt}; do
         files="$files${files:+,}${SEED_TRACES:-.stage/seed_traces}/combined_$f.jsonl"
       done
-      run seed_study python3 -m experiments.seed_study --target=llama3-8b --dtype=bfloat16 \
-        --traces="$files" --batch_sizes=${SEED_BATCHES:-64,128} --repeats=3 \
-        --attention_implementation=pallas_gpu,reference \
-        ${SEED_ARGS:---drafter_option=draft_vocab_size=32000} --output_dir="$OUT/seed_study" ;;
+      run "seed_study${SEED_TAG:-}" python3 -m experiments.seed_study --target=llama3-8b \
+        --dtype=bfloat16 --traces="$files" --batch_sizes=${SEED_BATCHES:-64,128} --repeats=3 \
+        --attention_implementation=pallas_gpu,reference ${SEED_POINTS:+--points=$SEED_POINTS} \
+        ${SEED_ARGS:---drafter_option=draft_vocab_size=32000} \
+        --output_dir="$OUT/seed_study${SEED_TAG:-}" ;;
     cost_grid)  # the cost model's fit and held-out points (experiments.check_cost_model):
       # unrolled 8B engine-loop grid, profiled, then the 70B shape at 4, 8 and 12 layers
       run cost_grid_8b python3 -m benchmarks.engine_loop --target=llama3-8b \

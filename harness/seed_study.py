@@ -25,11 +25,19 @@ each over the file's first ``num_requests(B)`` records whose prompt + output fit
                          path (k drafts, n-gram trace), its cost table this batch size's
                          measured AR and ``ngram_k`` steps (``verify_skip_method``): the
                          one to compare with the best ``ngram_k``.
+  ``adaptive_k{k}``      ``methods.adaptive`` choosing per row between n-gram lookup over
+                         the record's real tokens (``harness.synthetic.RecordedNGram``:
+                         the real draft lengths, 0 where the real context has no match)
+                         and the EAGLE-3 head (host-called), each row replaying the trace
+                         of the member that drafted it (``EngineConfig.replay_sources``
+                         2, the combined records' length): against the best fixed point
+                         and the combination (``gap_closed`` in ``summary_table``).
 
 Measured per point over the steady (non-compiling) engine steps whose batch was full
 (every slot busy; B = 1: every step): ``tau`` = committed tokens per row-step,
 ``step_ms`` its mean step, ``c`` = step_ms / the AR point's, ``speedup`` = tau / c
-(full-batch decode throughput over AR's); ``verify_share`` = the zero-cost drafter's
+(full-batch decode throughput over AR's); ``adaptive_choice`` the adaptive point's
+share of drafting rows per member; ``verify_share`` = the zero-cost drafter's
 step at the same k / this point's step (the time not spent drafting; 1 for the
 zero-cost rows). Per batch size each engine (``engine_groups``) is warmed up once by
 ``Engine.precompile`` (every shape of every file's requests), then ``repeats`` measured
@@ -59,6 +67,8 @@ __all__ = ["EAGLE", "NGRAM", "Point", "StudyConfig", "combined_records", "engine
 
 EAGLE, NGRAM = "eagle", "ngram"  # the seed files' trace names
 COMBINED = "eagle+ngram"
+ADAPTIVE = "ngram|eagle"  # the adaptive point's requests: one trace per member
+HOST_PATH = ("verify_skip", "adaptive")  # drafters whose points have no verify_share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +85,9 @@ class Point:
   policy: tuple | None
 
 
-def study_points(fixed_k=(1, 3, 5), oracle_widths=(8,), verify_skip=True) -> list[Point]:
-  """The points of one (file, batch size), AR first (module docstring). A verify of 17
-  query rows (W = 16) exceeds the H200's shared memory in the ``pallas_gpu`` attention
-  kernel (232,712 > 232,448 bytes, measured): W > 8 there needs ``reference``."""
+def study_points(fixed_k=(1, 3, 5), oracle_widths=(8,), verify_skip=True,
+                 adaptive=True) -> list[Point]:
+  """The points of one (file, batch size), AR first (module docstring)."""
   if any(k < 1 for k in (*fixed_k, *oracle_widths)):
     raise ValueError(f"fixed_k={fixed_k}, oracle_widths={oracle_widths}: each must be >= 1")
   pts = [Point("ar", "constant", None, 0, ("ar", (), 0))]
@@ -90,6 +99,8 @@ def study_points(fixed_k=(1, 3, 5), oracle_widths=(8,), verify_skip=True) -> lis
   pts.append(Point(f"ngram_lookup_k{k}", "ngram", NGRAM, k, None))
   if verify_skip:
     pts.append(Point(f"verify_skip_k{k}", "verify_skip", NGRAM, k, None))
+  if adaptive:
+    pts.append(Point(f"adaptive_k{k}", "adaptive", ADAPTIVE, k, None))
   for w in oracle_widths:
     pts.append(Point(f"oracle_eagle3_w{w}", "constant", EAGLE, w, ("oracle", (EAGLE,), w)))
   for w in oracle_widths:
@@ -182,6 +193,7 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
       for m in (EAGLE, NGRAM, COMBINED):
         requests[data, m] = replay_requests(records, m, vocab_size=model_cfg.vocab_size,
                                             num_requests=n)
+      requests[data, ADAPTIVE] = adaptive_requests(records, data, requests[data, COMBINED])
     ar_ms, zero_ms = {}, {}
     for group in engine_groups(cfg.points):
       head = group[0]
@@ -196,9 +208,13 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
           max_num_seqs=batch, max_model_len=cfg.max_total_tokens + widest + 16,
           attention_implementation=cfg.attention_implementation,
           max_num_batched_tokens=max(512, min(8192, 256 * batch)),
-          acceptance_replay=bool(head.length))
+          decode_batch_sizes=(batch,),  # only full-batch steps are measured
+          acceptance_replay=bool(head.length),
+          replay_sources=2 if head.drafter == "adaptive" else 1)
       if head.drafter == "verify_skip":
         method = verify_skip_method(head.length, batch, ar_ms, zero_ms)
+      elif head.drafter == "adaptive":
+        method = adaptive_method(head.length, model_cfg, cfg.drafter_options, files)
       else:
         options = cfg.drafter_options if head.drafter == "eagle3" else None
         method = drafter_method(head.drafter, head.length, model_cfg, options)
@@ -230,7 +246,8 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
               full_steps=len(full), steps=len(met.steps), tau=tau, step_ms=step_ms, c=c,
               speedup=tau / c,
               verify_share=zero_ms.get((data, p.length, rep), float("nan")) / step_ms
-              if p.length and p.drafter != "verify_skip" else float("nan"),
+              if p.length and p.drafter not in HOST_PATH else float("nan"),
+              adaptive_choice=_choice(method, engine) if p.drafter == "adaptive" else "",
               mean_verify_width=float(np.mean([s.query_bucket - 1 for s in full]))
               if full else float("nan"),
               wall_s=wall, warmup_s=warm_s, prefill_s=met.prefill_s,
@@ -247,6 +264,44 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
             pd.DataFrame(rows).to_csv(cfg.csv_path, index=False)
       del engine
   return pd.DataFrame(rows)
+
+
+def adaptive_requests(records, data: str, combined):
+  """The adaptive point's requests: ``combined`` (the COMBINED trace's requests: the
+  shorter list's length) with ids ``"<data>/<id>"`` (unique over files), the n-gram
+  trace as source 0 (``replay_acc_len``) and the EAGLE-3 trace as source 1, both cut to
+  that length (``methods.adaptive``: a row replays its drafting member's trace)."""
+  by_id = {r.request_id: r for r in records}
+  out = []
+  for req in combined:
+    r, m = by_id[req.request_id], req.sampling.max_tokens
+    out.append(dataclasses.replace(
+        req, request_id=f"{data}/{req.request_id}",
+        replay_acc_len=tuple(int(a) for a in r.methods[NGRAM].acc_len[:m]),
+        replay_sources=(tuple(int(a) for a in r.methods[EAGLE].acc_len[:m]),)))
+  return out
+
+
+def adaptive_method(k: int, model_cfg, drafter_options, files: dict):
+  """``methods.adaptive.Adaptive`` over (``RecordedNGram`` on every file's records,
+  keyed as ``adaptive_requests`` names them; a random EAGLE-3 head with
+  ``drafter_options``), both drafting k: members in ``Draft.replay_source`` order."""
+  from harness.engine_loop import drafter_method  # noqa: PLC0415
+  from harness.synthetic import RecordedNGram  # noqa: PLC0415
+  from methods.adaptive import Adaptive  # noqa: PLC0415
+
+  contexts = {f"{data}/{r.request_id}": np.asarray([*r.prompt_token_ids,
+                                                     *r.generated_token_ids], np.int64)
+              for data, records in files.items() for r in records}
+  return Adaptive(k=k, drafters=(RecordedNGram(k=k, contexts=contexts),
+                                 drafter_method("eagle3", k, model_cfg, drafter_options)))
+
+
+def _choice(method, engine) -> str:
+  """``"member:share,..."``: each member's share of the latest run's drafting rows."""
+  stats = method.stats(engine.runtime)
+  total = sum(stats.chosen.values()) or 1
+  return ",".join(f"{name}:{n / total:.3f}" for name, n in stats.chosen.items())
 
 
 def verify_skip_method(k: int, batch: int, ar_ms: dict, zero_ms: dict):
@@ -317,6 +372,18 @@ def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_to
   return measured.merge(sims, on=["data", "batch", "point"], how="left")
 
 
+def _gap_closed(table: pd.DataFrame, row) -> float:
+  """``summary_table``'s ``gap_closed`` of one row (NaN but for adaptive points)."""
+  if not row.point.startswith("adaptive_k"):
+    return float("nan")
+  same = table[(table.data == row.data) & (table.batch == row.batch)]
+  fixed = same[same.point.str.match(r"(ngram|eagle3)_k\d+$")].speedup
+  bound = same[same.point.str.startswith("combination_w")].sort_values("L").speedup
+  if fixed.empty or bound.empty or bound.iloc[-1] <= fixed.max():
+    return float("nan")
+  return float((row.speedup - fixed.max()) / (bound.iloc[-1] - fixed.max()))
+
+
 # The seed paper's own figure: the uncapped oracle combination, InstructCoder, batch 1.
 SEED_PAPER = {("instructcoder", 1, "combination"): 4.9}
 
@@ -325,8 +392,11 @@ def summary_table(both: pd.DataFrame) -> pd.DataFrame:
   """One row per (data, batch, point): mean and std over repeats of tau, step_ms, c,
   speedup and verify_share, the simulators' columns, ``ngram_lookup_ms`` (the device
   n-gram lookup's step minus the zero-cost drafter's at the same k, beside the
-  ``ngram_k`` rows) and ``seed_paper_speedup`` where the paper gives the point (its
-  combination is uncapped; ours verifies at most W drafts)."""
+  ``ngram_k`` rows), ``seed_paper_speedup`` where the paper gives the point (its
+  combination is uncapped; ours verifies at most W drafts) and, beside the adaptive
+  rows, ``gap_closed`` = (adaptive - best fixed) / (combination - best fixed) in
+  speedup (best fixed: the best ``ngram_k`` / ``eagle3_k`` point; combination: the
+  widest ``combination_w`` point; 1 = the oracle bound, < 0 = below the best fixed)."""
   keys = ["data", "batch", "point"]
   stats = ["tau", "step_ms", "c", "speedup", "verify_share"]
   g = both.groupby(keys, sort=False)
@@ -336,7 +406,8 @@ def summary_table(both: pd.DataFrame) -> pd.DataFrame:
     out[f"{col}_std"] = std[col]
   out["repeats"] = g.size()
   sims = [c for c in both if c.startswith("sim_")]
-  out = out.join(g[sims + ["num_requests", "full_steps", "L"]].first()).reset_index()
+  extra = [c for c in ("adaptive_choice",) if c in both]
+  out = out.join(g[sims + ["num_requests", "full_steps", "L"] + extra].first()).reset_index()
   lookup = []
   for _, r in out.iterrows():
     ms = float("nan")
@@ -347,6 +418,7 @@ def summary_table(both: pd.DataFrame) -> pd.DataFrame:
         ms = float(hit.step_ms.iloc[0] - r.step_ms)
     lookup.append(ms)
   out["ngram_lookup_ms"] = lookup
+  out["gap_closed"] = [_gap_closed(out, r) for _, r in out.iterrows()]
   out["seed_paper_speedup"] = [
       SEED_PAPER.get((r.data, int(r.batch), r.point.partition("_w")[0]), float("nan"))
       for _, r in out.iterrows()]

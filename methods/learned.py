@@ -405,9 +405,7 @@ class LearnedHeadMethod(Method):
     if self.head_path is not None:
       head = load_head(self.head_path, runtime.target.config)
     else:
-      cfg = self.head_config(runtime.target.config)
-      d2t = None if cfg.draft_vocab_size is None else np.arange(cfg.draft_vocab_size)
-      head = make_head(cfg, self.seed, d2t)
+      head = _random_head(self.head_config(runtime.target.config), self.seed)
     if type(head).has_modules and self.k > head.cfg.num_modules:
       raise ValueError(f"k={self.k} must be <= the head's num_modules={head.cfg.num_modules}")
     return head
@@ -569,6 +567,16 @@ class LearnedHeadMethod(Method):
     if probs is not None and most < width:
       probs = jnp.pad(probs, ((0, 0), (0, width - most), (0, 0)))
     return state, Draft(np.where(keep, out, -1), num, probs=probs)
+
+
+@functools.lru_cache(maxsize=2)
+def _random_head(cfg: HeadConfig, seed: int):
+  """``make_head(cfg, seed)`` (ids 0 .. V' - 1 for a reduced draft vocabulary), built
+  once per (config, seed): its numpy init of an 8B-shape EAGLE-3 head takes ~10 s on a
+  CPU core, and every ``Engine.generate`` calls ``build_head`` twice (``init_state`` and
+  ``init_device``). The module is only split, never updated, so sharing it is safe."""
+  d2t = None if cfg.draft_vocab_size is None else np.arange(cfg.draft_vocab_size)
+  return make_head(cfg, seed, d2t)
 
 
 def _pad_to(a: np.ndarray, width: int) -> np.ndarray:

@@ -112,6 +112,13 @@ class EngineConfig:
       chunked prefill): one prefill call per iteration covers chunks of several prompts
       whose padded size (rows x bucketed chunk length) is at most this, so a long prompt
       arriving online delays running requests by at most one such call per step.
+    decode_batch_sizes: the row counts a decode / verify step is padded to (vLLM's
+      ``cudagraph_capture_sizes``): a step of n running rows runs at the smallest listed
+      size >= n. None (default): powers of two, capped at ``max_num_seqs``. Increasing,
+      each in [1, ``max_num_seqs``], the last ``max_num_seqs``. Fewer sizes mean fewer
+      step programs to compile (``Engine.precompile``) and more padding rows in the
+      steps below the largest: e.g. ``(max_num_seqs,)`` runs every step at full width
+      (a benchmark that measures only full-batch steps compiles one row count).
     async_scheduling: steps of plain decoding and of fused proposers (``Capabilities.
       runs_on == "fused"``) are dispatched before the previous step's result is read (the
       decode state lives on the device, ``specjax.slots``); False: every step waits.
@@ -158,6 +165,7 @@ class EngineConfig:
   verify_implementation: str | tuple[str, ...] | None = "auto"
   min_prefill_bucket: int = 16
   max_num_batched_tokens: int = 512
+  decode_batch_sizes: tuple[int, ...] | None = None
   async_scheduling: bool = True
   steps_per_dispatch: int = 2
   synthetic_acceptance: tuple[float, ...] | None = None
@@ -201,11 +209,27 @@ class EngineConfig:
                  "max_num_batched_tokens", "steps_per_dispatch", "replay_sources"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.decode_batch_sizes is not None:
+      sizes = tuple(self.decode_batch_sizes)
+      if (not sizes or any(not isinstance(n, int) or not 1 <= n <= self.max_num_seqs
+                           for n in sizes) or list(sizes) != sorted(set(sizes))
+          or sizes[-1] != self.max_num_seqs):
+        raise ValueError(f"decode_batch_sizes={self.decode_batch_sizes!r} must be increasing "
+                         f"ints in [1, max_num_seqs={self.max_num_seqs}], the last "
+                         f"{self.max_num_seqs}")
+      object.__setattr__(self, "decode_batch_sizes", sizes)
     if self.num_pages is not None and self.num_pages < self.pages_per_seq:
       raise ValueError(
           f"num_pages={self.num_pages} must be >= pages for one max_model_len sequence "
           f"({self.pages_per_seq})"
       )
+
+  def decode_batch(self, num_rows: int) -> int:
+    """The row count a decode / verify step of ``num_rows`` rows is padded to
+    (``decode_batch_sizes``); ``num_rows`` in [1, ``max_num_seqs``]."""
+    if self.decode_batch_sizes is None:  # specjax.batch.bucket(num_rows, max_num_seqs)
+      return min(1 << max(num_rows - 1, 0).bit_length(), self.max_num_seqs)
+    return next(n for n in self.decode_batch_sizes if n >= num_rows)
 
   @property
   def pages_per_seq(self) -> int:

@@ -552,7 +552,7 @@ class Engine:
       assert not sched.reserve_step(extra), "pages_short said the step fits"
     self._assign_slots(rows)
     t0 = time.perf_counter()
-    batch = bucket(len(rows), cfg.max_num_seqs)
+    batch = cfg.decode_batch(len(rows))
     ends = [len(st.tokens) + extra[st.request.request_id] for st in rows]
     width = self._pages_bucket(ends)
     tree = self.fused and self.caps.tree
@@ -666,7 +666,7 @@ class Engine:
       self._release(sched, victim, preempted=True)
     rows = [st for st in sched.running if st.num_computed >= len(st.tokens) - 1]
     self._assign_slots(rows)
-    batch = bucket(len(rows), cfg.max_num_seqs)
+    batch = cfg.decode_batch(len(rows))
     width = self._pages_bucket([len(st.tokens) + budgets[st.request.request_id]
                                 for st in rows])
     table = page_table([st.pages for st in rows], batch, width)

@@ -86,7 +86,7 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
                                                 and not engine.caps.tree)
   most = max(min(len(r.prompt_token_ids) + r.sampling.max_tokens + engine.k + 1,
                  cfg.max_model_len) for r in requests)
-  batches = sorted({bucket(n, cfg.max_num_seqs) for n in range(1, cfg.max_num_seqs + 1)})
+  batches = sorted({cfg.decode_batch(n) for n in range(1, cfg.max_num_seqs + 1)})
   widths = sorted({engine._pages_bucket([n]) for n in range(1, most + cfg.page_size,
                                                             cfg.page_size)})
   if engine.k == 0 or engine.fused:

@@ -32,6 +32,7 @@ the context; this kernel does not.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -48,9 +49,13 @@ try:  # Mosaic GPU's Python side; keep the package importable without it.
 except ImportError:  # pragma: no cover - depends on the jaxlib build
   plgpu = None
 
-__all__ = ["paged_attention_mosaic_gpu", "smem_bytes"]
+__all__ = ["fitting_block_sizes", "paged_attention_mosaic_gpu", "smem_bytes"]
 
 _SMEM_LIMIT = 227 * 1024  # H100/H200 opt-in shared memory per block
+_SMEM_ALIGNMENT = 1024  # Mosaic GPU aligns every shared memory buffer to this
+# Mosaic GPU's CompilerParams.reduction_scratch_bytes default (128 * 4 * 4), reserved
+# whenever a kernel reduces (JAX 0.10.2 and 0.11.2).
+_REDUCTION_SCRATCH = 2048
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
@@ -64,11 +69,43 @@ def _interpret_params():
 
 
 def smem_bytes(rows: int, head_dim: int, block_kv: int, num_stages: int, itemsize: int,
-               num_splits: int = 1) -> int:
-  """Shared memory of one CTA: the Q/O tile plus ``num_stages`` K and V blocks, plus
-  (split) an f32 partial-output tile and an f32 log-sum-exp row."""
-  split_bytes = rows * (head_dim + 1) * 4 if num_splits > 1 else 0
-  return (rows + 2 * num_stages * block_kv) * head_dim * itemsize + split_bytes
+               num_splits: int = 1, pages_per_block: int = 1) -> int:
+  """Shared memory of one CTA in bytes, as Mosaic GPU allocates it: the Q/O tile,
+  ``num_stages`` K and V blocks and (split) an f32 partial-output tile and an f32
+  log-sum-exp row, each rounded up to ``_SMEM_ALIGNMENT``; the lowering's reduction
+  scratch (``_REDUCTION_SCRATCH``: the kernel's row max and sum are reductions); and
+  8 bytes per barrier (one for Q, one per page copy of each K and V stage).
+  Measured: rows 128, head_dim 128, 128-key blocks of 8 pages, 2 stages, bf16, split:
+  Mosaic GPU reported ``smem_bytes=232712`` (H100 and H200), this returns the same."""
+  def aligned(n):
+    return -(-n // _SMEM_ALIGNMENT) * _SMEM_ALIGNMENT
+  tiles = aligned(rows * head_dim * itemsize)
+  tiles += 2 * aligned(num_stages * block_kv * head_dim * itemsize)
+  if num_splits > 1:
+    tiles += aligned(rows * head_dim * 4) + aligned(rows * 4)
+  barriers = 1 + 2 * num_stages * pages_per_block
+  return tiles + _REDUCTION_SCRATCH + 8 * barriers
+
+
+def fitting_block_sizes(block_sizes: BlockSizes, *, rows: int, head_dim: int, page_size: int,
+                        itemsize: int, batch: int, num_kv_heads: int,
+                        num_pages: int) -> tuple[BlockSizes, int] | None:
+  """``(block sizes, num_splits)``: ``block_sizes``, or the same with ``pages_per_block``
+  halved until the CTA's ``smem_bytes`` fits ``_SMEM_LIMIT`` (down to 64 keys per block),
+  with the splits ``BlockSizes.splits`` picks for it over ``num_pages`` pages; None if
+  none fits. Example: a 17-token verify of a GQA-4 model (128 query rows) at batch 1
+  over 64 pages (8 KV heads: split) with the default 128-key blocks needs 232,712 B >
+  232,448 B; with 64-key blocks 167,048 B."""
+  ppb = block_sizes.pages_per_block
+  while ppb * page_size >= 64:
+    sizes = dataclasses.replace(block_sizes, pages_per_block=ppb)
+    splits = sizes.splits(batch=batch, num_kv_heads=num_kv_heads,
+                          max_blocks=-(-num_pages // ppb))
+    if smem_bytes(rows, head_dim, ppb * page_size, sizes.num_stages, itemsize, splits,
+                  ppb) <= _SMEM_LIMIT:
+      return sizes, splits
+    ppb //= 2
+  return None
 
 
 def _kernel(
@@ -340,9 +377,9 @@ def paged_attention_mosaic_gpu(
     NotImplementedError: not a Hopper-or-newer GPU (and not ``interpret``); dtype not
       bf16/f16; head_dim not a multiple of 64; page_size not a multiple of 8; block not
       a multiple of 64 keys; more than 128 query rows (T * G) per KV head; tree mask
-      with T > 31; shared memory over budget (the split kernel needs
-      ``rows * (head_dim + 1) * 4`` bytes more); explicit ``positions`` with a sliding
-      window.
+      with T > 31; shared memory over budget (``smem_bytes``; explicit ``block_sizes``
+      only: the defaults take smaller KV blocks where 128 keys do not fit,
+      ``fitting_block_sizes``); explicit ``positions`` with a sliding window.
   """
   common.check_inputs(q, kv_pages, page_indices, kv_lens, q_lens, sliding_window, tree_mask,
                       positions)
@@ -368,7 +405,8 @@ def paged_attention_mosaic_gpu(
     raise NotImplementedError(f"pallas_gpu handles <= 128 query rows; got T*G={num_tokens * group}")
   if tree_mask is not None and num_tokens > common.MAX_TREE_TOKENS:
     raise NotImplementedError(f"tree masks need T <= {common.MAX_TREE_TOKENS}; got {num_tokens}")
-  if block_sizes is None:
+  default = block_sizes is None
+  if default:
     block_sizes = default_block_sizes("pallas_gpu", page_size)
   block_kv = block_sizes.block_kv(page_size)
   if block_kv % 64 or block_kv > 256:
@@ -376,13 +414,20 @@ def paged_attention_mosaic_gpu(
   if block_sizes.num_stages < 2:
     raise NotImplementedError(f"pallas_gpu needs num_stages >= 2; {block_sizes=}")
   rows = 64 if num_tokens * group <= 64 else 128
-  max_blocks = -(-page_indices.shape[1] // block_sizes.pages_per_block)
-  num_splits = block_sizes.splits(batch=q.shape[0], num_kv_heads=kv_pages.shape[2] // 2,
-                                  max_blocks=max_blocks)
-  need = smem_bytes(rows, head_dim, block_kv, block_sizes.num_stages, q.dtype.itemsize,
-                    num_splits)
-  if need > _SMEM_LIMIT:
-    raise NotImplementedError(f"pallas_gpu needs {need} B of shared memory > {_SMEM_LIMIT}")
+  shape = dict(rows=rows, head_dim=head_dim, page_size=page_size, itemsize=q.dtype.itemsize,
+               batch=q.shape[0], num_kv_heads=kv_pages.shape[2] // 2,
+               num_pages=page_indices.shape[1])
+  # The defaults shrink the KV block where the CTA's shared memory would not fit;
+  # explicit block sizes are used as given.
+  fit = fitting_block_sizes(block_sizes, **shape)
+  if fit is None or (not default and fit[0] != block_sizes):
+    splits = block_sizes.splits(batch=shape["batch"], num_kv_heads=shape["num_kv_heads"],
+                                max_blocks=-(-shape["num_pages"] // block_sizes.pages_per_block))
+    need = smem_bytes(rows, head_dim, block_kv, block_sizes.num_stages, q.dtype.itemsize,
+                      splits, block_sizes.pages_per_block)
+    raise NotImplementedError(f"pallas_gpu needs {need} B of shared memory > {_SMEM_LIMIT} "
+                              f"with {block_sizes=}")
+  block_sizes, num_splits = fit
   return _call(
       q, kv_pages, page_indices, kv_lens, q_lens, tree_mask,
       sm_scale=float(sm_scale),

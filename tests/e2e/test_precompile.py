@@ -135,3 +135,23 @@ def test_fused_head_compiles_nothing_after_precompile_on_a_new_engine(target):
   assert metrics.num_compiles == 0 and metrics.prefill_compiled_s == 0
   _, again = make_engine(method, cfg).generate(requests)
   assert again.num_compiles == 0 and again.prefill_compiled_s == 0
+
+
+def test_decode_batch_sizes_pad_every_step_to_the_listed_sizes(make_engine, reference):
+  """``EngineConfig.decode_batch_sizes=(4,)``: every decode / verify step runs 4 rows
+  (a run of 6 requests on 4 slots drains to fewer), precompile compiles fewer shapes
+  (decode batch buckets 4 instead of 1, 2, 4), the run compiles nothing and the greedy
+  outputs are AR's."""
+  requests = make_requests(33, 6)
+  cfg = ENGINE_CONFIG.replace(max_num_seqs=4)
+  shapes = {}
+  for sizes in (None, (4,)):
+    engine = make_engine(NGram(k=3), cfg.replace(decode_batch_sizes=sizes))
+    shapes[sizes] = engine.precompile(requests, num_threads=1)
+    outputs, metrics = engine.generate(requests)
+    assert metrics.num_compiles == 0
+    assert [o.output_token_ids for o in outputs] == reference(requests)
+    if sizes:
+      assert {s.batch_bucket for s in metrics.steps} == {4}
+      assert min(s.num_rows for s in metrics.steps) < 4  # the drain ran padded
+  assert shapes[None] > shapes[(4,)] > 0, shapes

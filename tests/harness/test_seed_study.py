@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -16,7 +17,7 @@ import pandas as pd
 import pytest
 
 from harness import seed_study
-from harness.traces import MethodTrace, TraceRecord, read_jsonl, write_jsonl
+from harness.traces import MethodTrace, TraceRecord, read_jsonl, replay_requests, write_jsonl
 from models.testing import random_model, tiny_config
 from specjax.steps import split_model
 
@@ -67,7 +68,8 @@ def test_measured_tau_equals_the_simulator_at_batch_one(tmp_path):
   target = split_model(random_model(tiny_config("llama"), seed=1))
   points = tuple(p for p in seed_study.study_points((1, 3), (4,))
                  if p.label in ("ar", "eagle3_k3", "ngram_k1", "ngram_k3", "ngram_lookup_k3",
-                                "verify_skip_k3", "oracle_eagle3_w4", "combination_w4"))
+                                "verify_skip_k3", "oracle_eagle3_w4", "combination_w4",
+                                "adaptive_k3"))
   cfg = seed_study.StudyConfig(files=(path,), batch_sizes=(1,), points=points,
                                min_requests=3, max_total_tokens=64,
                                csv_path=os.path.join(tmp_path, "m.csv"))
@@ -82,7 +84,8 @@ def test_measured_tau_equals_the_simulator_at_batch_one(tmp_path):
   both = seed_study.simulate_points(measured, [path], cost, points=points,
                                     max_total_tokens=64, requests_per_slot=2, min_requests=3,
                                     read_records=read_jsonl, seed_cost=cost)
-  replayed = both[~both.point.isin(["ar", "ngram_lookup_k3", "verify_skip_k3"])]
+  replayed = both[~both.point.isin(["ar", "ngram_lookup_k3", "verify_skip_k3",
+                                     "adaptive_k3"])]
   assert len(replayed) == 5
   np.testing.assert_allclose(replayed.tau, replayed.sim_specjax_tau, rtol=0, atol=1e-12)
   assert replayed.sim_seed_speedup.notna().all()
@@ -95,6 +98,56 @@ def test_measured_tau_equals_the_simulator_at_batch_one(tmp_path):
   assert 1.0 <= skip.tau <= zero.tau and 0 < skip.mean_verify_width <= 3
   assert np.isnan(skip.verify_share) and np.isnan(skip.sim_specjax_tau)
   np.testing.assert_allclose(both.speedup, both.tau / both.c)
+  # adaptive: every row committed at most the per-position better member's run (k = 3)
+  # and at least the bonus token; the choice is reported; gap_closed is filled
+  adaptive = both[both.point == "adaptive_k3"].iloc[0]
+  from harness.simulator import Policy, simulate
+
+  records = seed_study.fitting_records(read_jsonl(path), 64)[:3]
+  best = simulate(records, dataclasses.replace(cost, prefill_emits_token=False),
+                  Policy(kind="combine", methods=("eagle", "ngram"), k=3), 1,
+                  batching="continuous")["tau"]
+  assert 1.0 <= adaptive.tau <= best + 1e-12 and np.isnan(adaptive.verify_share)
+  shares = dict(kv.split(":") for kv in adaptive.adaptive_choice.split(","))
+  assert set(shares) == {"recorded_ngram", "eagle3", "none"}
+  np.testing.assert_allclose(sum(map(float, shares.values())), 1.0, atol=2e-3)
   table = seed_study.summary_table(both)
+  assert table.loc[table.point == "adaptive_k3", "gap_closed"].notna().all()
   assert table.loc[table.point == "ngram_k3", "ngram_lookup_ms"].notna().all()
   assert table.loc[table.point == "combination_w4", "seed_paper_speedup"].item() == 4.9
+
+
+def test_adaptive_requests_carry_one_trace_per_member():
+  recs = seed_study.combined_records(_records(4, seed=5))
+  combined = replay_requests(recs, "eagle+ngram", vocab_size=64)
+  reqs = seed_study.adaptive_requests(recs, "gsm8k", combined)
+  for req, r in zip(reqs, recs):
+    m = min(len(r.methods["eagle"].acc_len), len(r.methods["ngram"].acc_len))
+    assert req.request_id == f"gsm8k/{r.request_id}" and req.sampling.max_tokens == m
+    assert req.replay_acc_len == tuple(r.methods["ngram"].acc_len[:m])
+    assert req.replay_sources == (tuple(r.methods["eagle"].acc_len[:m]),)
+
+
+def test_recorded_ngram_drafts_what_the_real_context_proposes():
+  """The draft length at output position p is the n-gram lookup's over the record's
+  first P + p tokens, whatever the engine's own tokens (the drafts are the pending
+  token); unknown ids and rows longer than their record are errors."""
+  from harness.synthetic import RecordedNGram
+  from methods.ngram import ngram_lookup
+  from specjax.method import ProposeContext
+
+  real = np.asarray([5, 6, 7, 9, 5, 6, 7, 1, 2, 3], np.int64)
+  method = RecordedNGram(k=3, contexts={"a": real, "b": real[:4]})
+  def ctx(ids, lengths, budgets):
+    return ProposeContext(request_ids=ids, token_ids=[np.full(n, 11, np.int32) for n in lengths],
+                          budgets=np.asarray(budgets, np.int32), page_indices=None,
+                          temperature=None, top_k=None, top_p=None, keys=None)
+  _, d = method.propose(None, ctx(["a", "b", "a"], [6, 4, 10], [3, 3, 2]))
+  assert d.num_tokens.tolist() == [3, 0, len(ngram_lookup(real, 2, 4, 2))]
+  # [5, 6, 7, 9, 5, 6]: [5, 6] matched at 0, 3 tokens follow (ngram_lookup's example)
+  assert d.tokens[0].tolist() == [11] * 3 and d.tokens[1].tolist() == [-1] * 3
+  assert method == RecordedNGram(k=3) and hash(method) == hash(RecordedNGram(k=3))
+  with pytest.raises(KeyError, match="'c' has no recorded context"):
+    method.propose(None, ctx(["c"], [3], [3]))
+  with pytest.raises(ValueError, match="holds 5 tokens, its recorded context only 4"):
+    method.propose(None, ctx(["b"], [5], [3]))

@@ -424,3 +424,71 @@ def test_split_range_and_combine_are_exact():
   np.testing.assert_allclose(np.asarray(o)[:, 0], want, atol=1e-5, rtol=0)
   empty = split.combine(jnp.zeros((1, 1, 2, 8, 4)), jnp.full((1, 1, 2, 8), -jnp.inf))
   np.testing.assert_array_equal(np.asarray(empty), 0.0)
+
+
+# ---------------------------------------------------------------- Mosaic GPU shared memory
+def test_mosaic_gpu_smem_count_matches_what_mosaic_reported():
+  """The one measured point: a 17-token verify (GQA 4: 128 query rows), split, 128-key
+  blocks of 8 pages, 2 stages, bf16, head_dim 128; Mosaic GPU said smem_bytes=232712."""
+  from pallas_kernels.paged_attention import gpu
+
+  assert gpu.smem_bytes(128, 128, 128, 2, 2, num_splits=8, pages_per_block=8) == 232_712
+  # unsplit: no f32 partial-output tile nor log-sum-exp row
+  assert gpu.smem_bytes(128, 128, 128, 2, 2, num_splits=1, pages_per_block=8) == 232_712 - (
+      128 * 128 * 4 + 1024)
+
+
+def test_mosaic_gpu_defaults_shrink_the_kv_block_only_where_it_does_not_fit():
+  from pallas_kernels.paged_attention import gpu
+
+  defaults = default_block_sizes("pallas_gpu", 16)
+  shape = dict(head_dim=128, page_size=16, itemsize=2, batch=1, num_kv_heads=8, num_pages=64)
+  sizes, splits = gpu.fitting_block_sizes(defaults, rows=128, **shape)
+  assert sizes.block_kv(16) == 64 and splits > 1  # 128 keys: 232,712 B > 232,448 B
+  assert gpu.smem_bytes(128, 128, 64, 2, 2, splits, 4) == 167_048
+  assert gpu.fitting_block_sizes(defaults, rows=64, **shape)[0] == defaults  # fits as is
+  # batch 32: one CTA per (sequence, KV head) already fills the GPU, no split, fits
+  assert gpu.fitting_block_sizes(defaults, rows=128, **{**shape, "batch": 32})[0] == defaults
+  assert gpu.fitting_block_sizes(dataclasses.replace(defaults, pages_per_block=2), rows=128,
+                                 **{**shape, "head_dim": 1024}) is None
+
+
+def test_mosaic_gpu_explicit_block_sizes_over_budget_raise():
+  """Explicit block sizes are used as given: over budget is NotImplementedError naming
+  the bytes (checked before the kernel is built, so on any host)."""
+  from pallas_kernels.paged_attention import gpu
+
+  inputs = make_inputs(14, kv_lens=[60 * PAGE], q_lens=[17], num_tokens=17, num_heads=32,
+                       num_kv_heads=8, head_dim=128, pages_per_seq=64, dtype=jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="232712 B of shared memory"):
+    gpu.paged_attention_mosaic_gpu(**inputs, sm_scale=0.1, interpret=True,
+                                   block_sizes=BlockSizes(pages_per_block=8, num_stages=2))
+
+
+def test_mosaic_gpu_default_blocks_lower_for_a_17_token_split_verify():
+  """The shape that overflowed on the H100 / H200 (a 17-token verify, GQA 4, batch 1,
+  64 pages: split) lowers for CUDA with the default block sizes, now 64-key blocks (the
+  kernel's name carries its block)."""
+  from pallas_kernels.paged_attention import gpu
+
+  specs = _abstract_specs(jnp.bfloat16, 17, False, batch=1, num_heads=32, num_kv_heads=8,
+                          pages_per_seq=64, num_pages=80)
+  sizes, splits = gpu.fitting_block_sizes(default_block_sizes("pallas_gpu", PAGE), rows=128,
+                                          head_dim=128, page_size=PAGE, itemsize=2, batch=1,
+                                          num_kv_heads=8, num_pages=64)
+  fn = lambda *a: gpu._call(*a, sm_scale=0.1, sliding_window=None, block_sizes=sizes,
+                            interpret=False, num_splits=splits)
+  text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu_v2" in _custom_calls(text)
+  assert f"r128_bkv64_s2_k{splits}" in text
+
+
+@pytest.mark.gpu
+def test_mosaic_gpu_17_token_split_verify_matches_the_reference():
+  """Natively, the shape that overflowed: default blocks, against the reference."""
+  inputs = make_inputs(15, kv_lens=[60 * PAGE + 3], q_lens=[17], num_tokens=17, num_heads=32,
+                       num_kv_heads=8, head_dim=128, pages_per_seq=64, dtype=jnp.bfloat16)
+  out = _backend("pallas_gpu")(**inputs, sm_scale=0.125)
+  ref = _reference(**inputs, sm_scale=0.125, sliding_window=None)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                             atol=2e-2, rtol=0)

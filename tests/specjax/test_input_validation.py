@@ -45,6 +45,15 @@ def test_engine_config_values():
     EngineConfig(max_num_seqs=0)
   with pytest.raises(ValueError, match="num_pages=1"):
     EngineConfig(max_model_len=64, page_size=16, num_pages=1)
+  for sizes in [(), (3, 8), (8, 4, 16), (0, 16), (16, 32), (4.0, 16)]:
+    with pytest.raises(ValueError, match=r"decode_batch_sizes=.* must be increasing ints in "
+                                         r"\[1, max_num_seqs=16\], the last 16"):
+      EngineConfig(max_num_seqs=16, decode_batch_sizes=sizes)
+  config = EngineConfig(max_num_seqs=16, decode_batch_sizes=[4, 16])
+  assert config.decode_batch_sizes == (4, 16)
+  assert [config.decode_batch(n) for n in (1, 4, 5, 16)] == [4, 4, 16, 16]
+  assert [EngineConfig(max_num_seqs=12).decode_batch(n) for n in (1, 3, 5, 9, 12)] == [
+      1, 4, 8, 12, 12]  # default: powers of two, capped
 
 
 @pytest.fixture(scope="module")
