@@ -35,7 +35,11 @@ each over the file's first ``num_requests(B)`` records whose prompt + output fit
 
 Measured per point over the steady (non-compiling) engine steps whose batch was full
 (every slot busy; B = 1: every step): ``tau`` = committed tokens per row-step,
-``step_ms`` its mean step, ``c`` = step_ms / the AR point's, ``speedup`` = tau / c
+``step_ms`` its mean step (on the host path ``draft_ms`` + ``verify_ms`` + ``host_ms``:
+the host-called proposer, the device call with its read, and the rest (commit,
+``observe``, batch building); a fused step has no ``draft_ms``, and its ``verify_ms``,
+the call's dispatch-to-read time, overlaps the next call's host work),
+``c`` = step_ms / the AR point's, ``speedup`` = tau / c
 (full-batch decode throughput over AR's); ``adaptive_choice`` the adaptive point's
 share of drafting rows per member; ``verify_share`` = the zero-cost drafter's
 step at the same k / this point's step (the time not spent drafting; 1 for the
@@ -230,6 +234,8 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
           wall = time.perf_counter() - t0
           full = [s for s in met.steady_steps() if s.num_rows == batch]
           step_ms = 1e3 * float(np.mean([s.step_s for s in full])) if full else float("nan")
+          parts = {f"{part}_ms": 1e3 * float(np.mean([getattr(s, f"{part}_s") for s in full]))
+                   if full else float("nan") for part in ("draft", "verify", "host")}
           tau = (sum(s.num_emitted for s in full) / sum(s.num_rows for s in full)
                  if full else float("nan"))
           if p.length == 0:
@@ -243,7 +249,8 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
               num_requests=len(reqs),
               mean_prompt=float(np.mean([len(r.prompt_token_ids) for r in reqs])),
               mean_output=float(np.mean([r.sampling.max_tokens for r in reqs])),
-              full_steps=len(full), steps=len(met.steps), tau=tau, step_ms=step_ms, c=c,
+              full_steps=len(full), steps=len(met.steps), tau=tau, step_ms=step_ms, **parts,
+              c=c,
               speedup=tau / c,
               verify_share=zero_ms.get((data, p.length, rep), float("nan")) / step_ms
               if p.length and p.drafter not in HOST_PATH else float("nan"),
@@ -390,15 +397,17 @@ SEED_PAPER = {("instructcoder", 1, "combination"): 4.9}
 
 def summary_table(both: pd.DataFrame) -> pd.DataFrame:
   """One row per (data, batch, point): mean and std over repeats of tau, step_ms, c,
-  speedup and verify_share, the simulators' columns, ``ngram_lookup_ms`` (the device
-  n-gram lookup's step minus the zero-cost drafter's at the same k, beside the
-  ``ngram_k`` rows), ``seed_paper_speedup`` where the paper gives the point (its
-  combination is uncapped; ours verifies at most W drafts) and, beside the adaptive
+  speedup, verify_share and (where measured) draft_ms, verify_ms and host_ms, the
+  simulators' columns, ``ngram_lookup_ms`` (the device n-gram lookup's step minus the
+  zero-cost drafter's at the same k, beside the ``ngram_k`` rows), ``seed_paper_speedup``
+  where the paper gives the point (its combination is uncapped; ours verifies at most W
+  drafts) and, beside the adaptive
   rows, ``gap_closed`` = (adaptive - best fixed) / (combination - best fixed) in
   speedup (best fixed: the best ``ngram_k`` / ``eagle3_k`` point; combination: the
   widest ``combination_w`` point; 1 = the oracle bound, < 0 = below the best fixed)."""
   keys = ["data", "batch", "point"]
-  stats = ["tau", "step_ms", "c", "speedup", "verify_share"]
+  stats = ["tau", "step_ms", "c", "speedup", "verify_share"] + [
+      c for c in ("draft_ms", "verify_ms", "host_ms") if c in both]  # older runs: none
   g = both.groupby(keys, sort=False)
   out = g[stats].mean()
   std = g[stats].std(ddof=1)
