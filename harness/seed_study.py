@@ -249,9 +249,8 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
               num_requests=len(reqs),
               mean_prompt=float(np.mean([len(r.prompt_token_ids) for r in reqs])),
               mean_output=float(np.mean([r.sampling.max_tokens for r in reqs])),
-              full_steps=len(full), steps=len(met.steps), tau=tau, step_ms=step_ms, **parts,
-              c=c,
-              speedup=tau / c,
+              full_steps=len(full), steps=len(met.steps), tau=tau, step_ms=step_ms,
+              **parts, c=c, speedup=tau / c,
               verify_share=zero_ms.get((data, p.length, rep), float("nan")) / step_ms
               if p.length and p.drafter not in HOST_PATH else float("nan"),
               adaptive_choice=_choice(method, engine) if p.drafter == "adaptive" else "",
@@ -401,10 +400,10 @@ def summary_table(both: pd.DataFrame) -> pd.DataFrame:
   simulators' columns, ``ngram_lookup_ms`` (the device n-gram lookup's step minus the
   zero-cost drafter's at the same k, beside the ``ngram_k`` rows), ``seed_paper_speedup``
   where the paper gives the point (its combination is uncapped; ours verifies at most W
-  drafts) and, beside the adaptive
-  rows, ``gap_closed`` = (adaptive - best fixed) / (combination - best fixed) in
-  speedup (best fixed: the best ``ngram_k`` / ``eagle3_k`` point; combination: the
-  widest ``combination_w`` point; 1 = the oracle bound, < 0 = below the best fixed)."""
+  drafts) and, beside the adaptive rows, ``gap_closed`` = (adaptive - best fixed) /
+  (combination - best fixed) in speedup (best fixed: the best ``ngram_k`` / ``eagle3_k``
+  point; combination: the widest ``combination_w`` point; 1 = the oracle bound, < 0 =
+  below the best fixed)."""
   keys = ["data", "batch", "point"]
   stats = ["tau", "step_ms", "c", "speedup", "verify_share"] + [
       c for c in ("draft_ms", "verify_ms", "host_ms") if c in both]  # older runs: none
