@@ -32,10 +32,18 @@ of every prefill chunk (``prefill_device``) and of every engine iteration
 before its position is committed), and ``propose_device`` gathers each row's window from
 the page table and runs ``head.draft`` (or ``draft_tree``: a tree step's features are
 written after verification, from the accepted path's rows in commit order) inside the
-engine's one device call, so these heads iterate asynchronously like AR. ``fused=False``
-and SVIP's ``stop_entropy`` take the host-called path (``Capabilities.runs_on`` "device"), one
-synchronous engine step each: the feature window is kept on the host, so every step
-reads the target's hidden rows back and sends the window to the head's jitted call.
+engine's one device call, so these heads iterate asynchronously like AR. ``fused=False``,
+SVIP's ``stop_entropy`` and a composite caller (``methods.adaptive``) take the host-called
+path (``Capabilities.runs_on`` "device"), one synchronous engine step each. Its windows
+stay on the device too, per request rather than paged (``PrefillResult`` and
+``VerifyResult`` carry no page tables): a ``[C, window, F]`` slot pool in the target's
+dtype, right-aligned as ``head.draft`` takes it, one slot per request (a host map,
+capacity doubled when full), updated by one jitted shift-append per prefill chunk or
+verify step (``append_windows``: new window = the last ``window`` rows of the old one
+followed by the row's new hidden rows) and gathered by slot for the head's call
+(``gather_windows``). Only token ids and small int arrays cross to and from the host.
+The target's hidden states are in its dtype, so keeping them in it is lossless: the head
+gets the same f32 window as when the window was an f32 numpy copy.
 """
 
 from __future__ import annotations
@@ -64,8 +72,9 @@ from specjax.method import (
 )
 from specjax.sampling import draft_sample, is_greedy, processed_probs
 
-__all__ = ["FeaturePool", "HeadParams", "LearnedHeadMethod", "feature_window",
-           "head_draft_step", "head_tree_step", "write_features"]
+__all__ = ["FeaturePool", "HeadParams", "LearnedHeadMethod", "append_windows",
+           "feature_window", "gather_windows", "head_draft_step", "head_tree_step",
+           "write_features"]
 
 
 @functools.partial(
@@ -237,15 +246,95 @@ def feature_window(feats: jax.Array, page_indices, tokens, num_tokens, window: i
   return toks, f, num_valid, (m - 2).astype(jnp.int32)
 
 
+def _slot_index(slots, capacity: int):
+  """``i32[B]`` slots with -1 (no slot) mapped to ``capacity`` (out of range: a gather
+  fills, a scatter drops; a negative index would wrap)."""
+  return jnp.where(slots < 0, capacity, slots)
+
+
+@functools.partial(jax.jit, donate_argnames=("windows",))
+def append_windows(windows: jax.Array, slots, hidden: tuple, num_new, reset) -> jax.Array:
+  """Shift-appends each row's new feature rows into its slot's window (the host-called
+  path's per-request windows).
+
+  Args:
+    windows: ``[C, W, F]`` (the target's dtype), slot c's window right-aligned: row
+      ``W - 1`` the newest feature, rows before the first real one zeros. Donated.
+    slots: ``i32[B]`` each row's slot (-1: padding, nothing written).
+    hidden: tuple of ``[B, T, D]`` target hidden states (concatenated into F in layer
+      order; cast to ``windows.dtype``).
+    num_new: ``i32[B]`` new rows per row, ``0 <= num_new[b] <= T``: row b's are
+      ``hidden[..][b, :num_new[b]]``, in position order.
+    reset: ``bool[B]`` start row b's window from zeros (a new or restarted request).
+
+  Returns:
+    ``windows`` with slot ``slots[b]`` = the last W rows of (its old window, or zeros
+    where ``reset``) followed by row b's ``num_new[b]`` new rows; other slots unchanged.
+  """
+  capacity, width = windows.shape[:2]
+  idx = _slot_index(slots, capacity)
+  old = jnp.take(windows, idx, axis=0, mode="fill", fill_value=0)
+  old = jnp.where(reset[:, None, None], jnp.zeros((), windows.dtype), old)
+  rows = _feature_rows(tuple(hidden)).astype(windows.dtype)
+  both = jnp.concatenate([old, rows], axis=1)  # [B, W + T, F]
+  # Example: W = 3, old [a, b, c], new [d, e, -] (num_new 2) -> rows 2 .. 4: [c, d, e].
+  new = jax.vmap(lambda x, n: jax.lax.dynamic_slice_in_dim(x, n, width, axis=0))(both, num_new)
+  return windows.at[idx].set(new, mode="drop")
+
+
+@jax.jit
+def gather_windows(windows: jax.Array, slots) -> jax.Array:
+  """``f32[B, W, F]`` the windows of ``slots i32[B]`` (``windows [C, W, F]``; -1: zeros),
+  as ``head.draft`` takes them."""
+  idx = _slot_index(slots, windows.shape[0])
+  return jnp.take(windows, idx, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+
+
 @dataclasses.dataclass
 class _State:
+  """The host-called path's state.
+
+  ``windows`` is allocated when the first request takes a slot (None before:
+  ``init_state`` also runs for fused runs, which never use it) with ``capacity`` slots of
+  ``[window, feature_dim]`` in ``dtype``, and doubled when a request finds no free slot.
+  A request keeps its slot until it finishes (a preempted one restarts it from zeros at
+  its recompute's first prefill chunk); a freed slot is reset when taken again.
+  """
+
   target: object  # SplitModel
   head_graphdef: object
   head_state: object
   window: int
   feature_dim: int
-  feats: dict  # request id -> f32[n <= window, F], features of positions num_feats - n ..
-  num_feats: dict  # request id -> positions with features (= committed tokens - 1)
+  dtype: object  # the target's dtype (the device path's FeaturePool dtype)
+  capacity: int  # slots of the first allocation (the engine's max_num_seqs)
+  windows: jax.Array | None = None  # [C, window, F] per-request windows (append_windows)
+  slots: dict = dataclasses.field(default_factory=dict)  # request id -> slot
+  free: list = dataclasses.field(default_factory=list)  # unused slots
+  # request id -> positions with features (= committed tokens - 1)
+  num_feats: dict = dataclasses.field(default_factory=dict)
+
+  def take_slot(self, rid) -> int:
+    """A slot for ``rid`` (its own if it has one); grows ``windows`` when none is free.
+    A newly taken slot must be written with ``reset`` (it holds a finished request's
+    window)."""
+    if rid in self.slots:
+      return self.slots[rid]
+    if not self.free:
+      old = 0 if self.windows is None else self.windows.shape[0]
+      new = max(self.capacity, 2 * old, 1)
+      zeros = jnp.zeros((new - old, self.window, self.feature_dim), self.dtype)
+      self.windows = zeros if self.windows is None else jnp.concatenate([self.windows, zeros])
+      self.free = list(range(new - 1, old - 1, -1))  # pops the lowest first
+    self.slots[rid] = slot = self.free.pop()
+    return slot
+
+  def drop(self, rid) -> None:
+    """Forgets ``rid`` (a finished request): its slot becomes free."""
+    slot = self.slots.pop(rid, None)
+    if slot is not None:
+      self.free.append(slot)
+    self.num_feats.pop(rid, None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -414,8 +503,8 @@ class LearnedHeadMethod(Method):
     head = self.build_head(runtime)
     graphdef, state = nnx.split(head)
     return _State(runtime.target, graphdef, state, self.window or head.cfg.window,
-                  head.cfg.feature_dim,
-                  {}, {})
+                  head.cfg.feature_dim, jnp.dtype(runtime.target.config.dtype),
+                  max(1, runtime.max_num_seqs))
 
   # ---------------------------------------------------------------- fused path
   def init_device(self, runtime) -> tuple[HeadParams, FeaturePool]:
@@ -479,35 +568,47 @@ class LearnedHeadMethod(Method):
 
   # ---------------------------------------------------------------- features
   @staticmethod
-  def _host_features(hidden: tuple) -> np.ndarray:
-    """Tuple of ``[B, T, D]`` -> ``f32[B, T, F]`` (concatenated in layer order)."""
-    return np.asarray(_feature_rows(tuple(hidden)), np.float32)
-
-  def _append(self, state: _State, rid, rows: np.ndarray) -> None:
-    old = state.feats.get(rid)
-    new = rows if old is None else np.concatenate([old, rows], 0)
-    state.feats[rid] = new[-state.window:]
-    state.num_feats[rid] = state.num_feats.get(rid, 0) + len(rows)
+  def _append(state: _State, rids: list, hidden: tuple, num_new, reset) -> None:
+    """One ``append_windows`` call over the padded batch of ``hidden`` (tuple of ``[B, T,
+    D]`` device arrays): row b < len(rids) adds ``num_new[b]`` rows to ``rids[b]``'s slot
+    (None: a row that writes nothing), restarting it where ``reset[b]``."""
+    batch = hidden[0].shape[0]
+    slots = np.full(batch, -1, np.int32)
+    nums = np.zeros(batch, np.int32)
+    resets = np.zeros(batch, bool)
+    for b, rid in enumerate(rids):
+      if rid is None or (not num_new[b] and not reset[b]):
+        continue
+      slots[b], nums[b], resets[b] = state.slots[rid], num_new[b], reset[b]
+      state.num_feats[rid] = state.num_feats.get(rid, 0) + int(num_new[b])
+    if (slots >= 0).any():
+      state.windows = append_windows(state.windows, slots, tuple(hidden), nums, resets)
 
   def observe_prefill(self, state: _State, result: PrefillResult) -> _State:
-    feats = self._host_features(result.target_hidden)
-    for b, rid in enumerate(result.request_ids):
-      start, n = int(result.starts[b]), int(result.num_tokens[b])
-      if start == 0:  # new or recomputed after preemption
-        state.feats.pop(rid, None)
+    rids, reset = list(result.request_ids), np.zeros(len(result.request_ids), bool)
+    for b, rid in enumerate(rids):
+      start = int(result.starts[b])
+      if start == 0:  # new or recomputed after preemption: the window restarts from zeros
         state.num_feats[rid] = 0
+      reset[b] = start == 0 or rid not in state.slots
       assert state.num_feats.get(rid, 0) == start, (rid, state.num_feats.get(rid), start)
-      self._append(state, rid, feats[b, :n])
+      state.take_slot(rid)
+    self._append(state, rids, result.target_hidden, np.asarray(result.num_tokens), reset)
     return state
 
   def observe(self, state: _State, result: VerifyResult) -> _State:
-    feats = self._host_features(result.target_hidden)
+    rids, reset = [], np.zeros(len(result.request_ids), bool)
     for b, rid in enumerate(result.request_ids):
       if rid in result.finished:
-        state.feats.pop(rid, None)
-        state.num_feats.pop(rid, None)
+        state.drop(rid)
+        rids.append(None)
         continue
-      self._append(state, rid, feats[b, : len(result.emitted[b])])
+      if rid not in state.slots:  # no prefill (a one-token prompt): a fresh slot
+        state.take_slot(rid)
+        reset[b] = True
+      rids.append(rid)
+    self._append(state, rids, result.target_hidden,
+                 np.asarray([len(e) for e in result.emitted], np.int32), reset)
     return state
 
   # ---------------------------------------------------------------- drafting
@@ -518,9 +619,9 @@ class LearnedHeadMethod(Method):
   def _propose(self, state: _State, ctx):
     rows = len(ctx.request_ids)
     batch = ctx.page_indices.shape[0]
-    width, fdim = state.window, state.feature_dim
+    width = state.window
     tokens = np.zeros((batch, width), np.int32)
-    feats = np.zeros((batch, width, fdim), np.float32)
+    slots = np.full(batch, -1, np.int32)
     num_valid = np.ones(batch, np.int32)
     positions = np.zeros(batch, np.int32)
     draft_positions = np.zeros(batch, np.int32)
@@ -532,11 +633,11 @@ class LearnedHeadMethod(Method):
       if have == 0:  # a one-token prompt: no feature yet, decode one token plainly
         budgets[i] = 0
         continue
-      f = state.feats[rid]
-      n = len(f)
-      # Slot s pairs feature position p = m - 1 - n + s' with token x_{p+1}.
-      feats[i, width - n:] = f
+      n = min(have, width)
+      # Slot s pairs feature position p = m - 1 - n + s' with token x_{p+1} (the window in
+      # ``state.windows``: features of positions m - 1 - n .. m - 2, right-aligned).
       tokens[i, width - n:] = seq[m - n:]
+      slots[i] = state.slots[rid]
       num_valid[i], positions[i], draft_positions[i] = n, m - 2, m
     target = state.target
     width = self.tree_nodes or self.k
@@ -545,6 +646,7 @@ class LearnedHeadMethod(Method):
     if most == 0:  # nobody drafts: no head step at all
       return state, Draft(np.full((rows, width), -1, np.int32), num)
     keep = np.arange(width)[None] < num[:, None]
+    feats = gather_windows(state.windows, slots)  # f32[B, window, F], on the device
     if self.tree_nodes:
       # An n-node tree is at most n deep, and the best ``most`` nodes of the shallower
       # tree are the full tree's first ``most`` nodes (rank order lists parents first).
