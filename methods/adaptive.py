@@ -19,6 +19,19 @@ non-increasing in i, learned in ``observe`` from the rows j drafted (``prior`` 1
 model draft is worth its length before anything is observed, Arctic's rule). Estimates
 persist across ``generate`` calls of one engine (``RuntimeInfo.method_cache``).
 
+Counterfactual observation: a host member drafts every row whether chosen or not, so
+``observe`` also learns from the drafts it made for rows another member drafted (without
+it a member whose first rows went badly is never chosen, so never observed, again: the
+choice locks in). Position i's outcome is known when the target's token there is, i.e.
+for the committed tokens ``e_0 .. e_a`` (``a`` accepted drafts and the bonus/recovered
+token): draft ``d`` accepts ``m`` = its longest prefix equal to ``e``'s; ``m`` is exact
+if ``d`` diverges inside the known tokens or ends there, otherwise only the known
+positions are counted (censored; ``counterfactual_acceptance``). Under sampling ``P(e_i
+= d_i)`` is ``p(d_i)``, a one-hot draft's acceptance probability, so the count is
+unbiased. Under acceptance replay the row's other traces give the exact count
+(``VerifyResult.replay_acceptance``). A scored member's calibration learns only from
+exact counts. The device member drafts only its chosen rows and is observed only there.
+
 Lossless: the choice uses only pre-verification information and each member's draft is
 what that member would have sent (rows that chose a deterministic drafter get a one-hot
 q when the step also carries draft-model probabilities, the same q the verifier assumes
@@ -71,7 +84,29 @@ from specjax.method import (
 )
 from specjax.tree import chain_parents
 
-__all__ = ["Adaptive", "AdaptiveStats"]
+__all__ = ["Adaptive", "AdaptiveStats", "counterfactual_acceptance"]
+
+
+def counterfactual_acceptance(draft, committed) -> tuple[int, int]:
+  """What a chain draft that was not verified would have accepted, judged against the
+  tokens the step committed (module docstring).
+
+  Args:
+    draft: the member's draft tokens (ints, length n >= 0).
+    committed: the tokens the step committed (ints; the chosen draft's accepted tokens
+      then the bonus/recovered token, possibly cut by a stop rule).
+
+  Returns:
+    ``(known, accepted)``: the draft positions whose outcome is known (n when exact,
+    ``len(committed)`` when censored) and how many leading drafts are accepted among them.
+  """
+  n, known = len(draft), len(committed)
+  m = 0
+  while m < min(n, known) and int(draft[m]) == int(committed[m]):
+    m += 1
+  if m < min(n, known) or n <= known:  # diverged inside the known tokens, or ended there
+    return n, m
+  return known, m
 
 
 @dataclasses.dataclass
@@ -93,12 +128,17 @@ class AdaptiveStats:
     chosen: member name (or "none") -> rows it drafted in the latest ``generate`` call.
     expected: member name -> sum of the chosen rows' expected accepted lengths (same call).
     accepted: member name -> sum of the chosen rows' accepted drafts (same call).
+    drafted: member name -> sum of the chosen rows' draft tokens (same call).
+    counterfactual: member name -> rows it drafted but another member's draft was
+      verified, observed for its estimate (same call; module docstring).
   """
 
   estimates: dict
   chosen: dict = dataclasses.field(default_factory=dict)
   expected: dict = dataclasses.field(default_factory=dict)
   accepted: dict = dataclasses.field(default_factory=dict)
+  drafted: dict = dataclasses.field(default_factory=dict)
+  counterfactual: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -107,6 +147,8 @@ class _State:
   member_states: list
   stats: AdaptiveStats
   last: dict = dataclasses.field(default_factory=dict)  # request id -> (member, n, score)
+  # request id -> [(member, draft tokens, score)] of the unchosen host members' drafts
+  others: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -195,7 +237,9 @@ class Adaptive(Method):
         for m in members}
     stats = runtime.method_cache[self] = AdaptiveStats(estimates)
     for m in members:
-      stats.chosen[m.name] = stats.expected[m.name] = stats.accepted[m.name] = 0
+      for counter in (stats.chosen, stats.expected, stats.accepted, stats.drafted,
+                      stats.counterfactual):
+        counter[m.name] = 0
     stats.chosen["none"] = 0
     return _State(members, [m.init_state(runtime) for m in members], stats)
 
@@ -252,6 +296,11 @@ class Adaptive(Method):
     probs_from = None
     for i, j in enumerate(choice):
       rid = ctx.request_ids[i]
+      state.others[rid] = [
+          (o, np.asarray(d.tokens[i, :n_o]), None if scores[o] is None else float(scores[o][i]))
+          for o, d in enumerate(drafts) if o != j and d is not None
+          and state.members[o].host_capabilities().runs_on == "host"
+          and (n_o := int(min(d.num_tokens[i], budgets[i]))) > 0]
       if j < 0:
         state.stats.chosen["none"] += 1
         state.last[rid] = (-1, 0, 0.0)
@@ -266,6 +315,7 @@ class Adaptive(Method):
         probs_from = j
       name = state.members[j].name
       state.stats.chosen[name] += 1
+      state.stats.drafted[name] += n
       state.stats.expected[name] += float(expected[j, i])
       state.last[rid] = (int(j), n, 0.0 if scores[j] is None else float(scores[j][i]))
     probs = None
@@ -285,20 +335,42 @@ class Adaptive(Method):
   def observe(self, state: _State, result: VerifyResult) -> _State:
     for i, rid in enumerate(result.request_ids):
       j, n, score = state.last.pop(rid, (-1, 0, 0.0))
+      for o, draft, o_score in state.others.pop(rid, ()):
+        self._observe_unchosen(state, o, draft, o_score, result, i)
       if j < 0:
         continue
       name = state.members[j].name
-      est = state.stats.estimates[name]
       a = int(min(result.num_accepted[i], n))
-      est.drafted[:n] += 1
-      est.accepted[:a] += 1
-      if hasattr(state.members[j], "scored_propose"):
-        est.score_sum += score
-        est.accepted_sum += a
+      self._learn(state, j, n, a, score)
       state.stats.accepted[name] += a
     state.member_states = [m.observe(s, result)
                            for m, s in zip(state.members, state.member_states)]
     return state
+
+  def _learn(self, state: _State, j: int, known: int, accepted: int, score,
+             exact: bool = True) -> None:
+    """Member j's estimate learns that ``accepted`` of its first ``known`` drafts were
+    accepted (scored members' calibration only from exact counts)."""
+    est = state.stats.estimates[state.members[j].name]
+    est.drafted[:known] += 1
+    est.accepted[:accepted] += 1
+    if exact and score is not None and hasattr(state.members[j], "scored_propose"):
+      est.score_sum += score
+      est.accepted_sum += accepted
+
+  def _observe_unchosen(self, state: _State, j: int, draft, score, result: VerifyResult,
+                        i: int) -> None:
+    """Counterfactual observation of member j's unverified draft of row i (module
+    docstring)."""
+    n = len(draft)
+    if result.replay_acceptance is not None:  # source j = member j (Draft.replay_source)
+      if j >= result.replay_acceptance.shape[1]:  # no trace of j's: nothing to learn
+        return
+      known, accepted = n, int(min(max(result.replay_acceptance[i, j], 0), n))
+    else:
+      known, accepted = counterfactual_acceptance(draft, result.emitted[i])
+    self._learn(state, j, known, accepted, score, exact=known == n)
+    state.stats.counterfactual[state.members[j].name] += 1
 
   def observe_prefill(self, state: _State, result):
     state.member_states = [m.observe_prefill(s, result)

@@ -637,6 +637,18 @@ class Engine:
                            f"counted draft tokens must be in [0, {vocab})")
     return kept
 
+  @staticmethod
+  def _replay_acceptance(rows) -> np.ndarray:
+    """``VerifyResult.replay_acceptance`` of a host-path step, before its commit: per row
+    and source, the recorded trace at the row's output position minus 1 (1 past a
+    trace's end, as ``specjax.slots.SlotState.replay_acc`` pads it)."""
+    out = []
+    for st in rows:
+      i = st.num_output
+      traces = (st.request.replay_acc_len, *st.request.replay_sources)
+      out.append([(t[i] if i < len(t) else 1) - 1 for t in traces])
+    return np.asarray(out, np.int32).reshape(len(rows), -1)
+
   def _replay_source(self, draft, rows: int):
     """The batch's replay-source column (``EngineConfig.replay_sources`` > 1): the
     method's ``Draft.replay_source`` (default 0 per row), else None (no column).
@@ -745,6 +757,7 @@ class Engine:
     results, hidden = self._dispatch(plan, sb, device_drafts, probs, tree_arrays)
     result = np.asarray(results)[0]
     t3 = time.perf_counter()
+    replayed = self._replay_acceptance(rows) if cfg.acceptance_replay else None
     res = commit_rows(rows, result, num_draft, k=self.k, eos_ids=self.eos_ids,
                       max_model_len=cfg.max_model_len, decode=self.decode, now=t3 - start,
                       reach=reach)
@@ -753,7 +766,7 @@ class Engine:
     method_state = self.method.observe(method_state, VerifyResult(
         request_ids=ids, num_accepted=result[: len(rows), -1].copy(), emitted=res.emitted,
         finished=frozenset(st.request.request_id for st in res.finished),
-        target_hidden=hidden,
+        target_hidden=hidden, replay_acceptance=replayed,
     ))
     t4 = time.perf_counter()
     self._record(metrics, rows, batch, length, width, num_draft, res,

@@ -139,6 +139,12 @@ class VerifyResult:
     target_hidden: optional tuple of ``[B, T, D]`` hidden states the method asked for,
       rows in commit order (trees: row 0 the pending token, row i the accepted node at
       depth i), so row i belongs to the i-th emitted token's input.
+    replay_acceptance: measurement only, under acceptance replay
+      (``EngineConfig.acceptance_replay``, host path): ``i32[rows, N]`` the drafts each
+      of the N replay sources' recorded traces accepts at the row's output position
+      (``replay_acc_len[i] - 1``, before capping at the row's draft count), so a method
+      that chose one source per row also learns what the others would have accepted;
+      None otherwise.
   """
 
   request_ids: list
@@ -146,6 +152,7 @@ class VerifyResult:
   emitted: list[list[int]]
   finished: frozenset
   target_hidden: tuple = ()
+  replay_acceptance: np.ndarray | None = None
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ from e2e_lib import (
     make_requests,
 )
 
-from methods.adaptive import Adaptive
+from methods.adaptive import Adaptive, counterfactual_acceptance
 from methods.registry import make_method
 from specjax.config import SamplingParams
 from specjax.request import Request
@@ -60,7 +60,8 @@ def _first_choices(make_engine, reference, prompts):
   assert [o.output_token_ids for o in outputs] == reference(requests)
   stats = Adaptive.stats(engine.runtime)
   for name, est in stats.estimates.items():  # learned from the rows each member drafted
-    assert est.drafted[0] == stats.chosen[name] and est.drafted[1:].sum() == 0
+    assert est.drafted[0] == stats.chosen[name] + stats.counterfactual[name]
+    assert est.drafted[1:].sum() == 0
     assert est.accepted[0] == stats.accepted[name]
   return stats.chosen
 
@@ -163,7 +164,7 @@ def test_each_row_replays_the_trace_of_the_member_that_drafted_it(make_engine):
     stats = Adaptive.stats(engine.runtime)
     assert stats.chosen[never] > 0 and stats.chosen[always] > 0, stats.chosen
     assert stats.accepted[never] == 0
-    assert stats.accepted[always] == stats.estimates[always].drafted.sum() > 0
+    assert stats.accepted[always] == stats.drafted[always] > 0
     assert sum(stats.accepted.values()) == sum(s.num_accepted for s in metrics.steps)
 
 
@@ -178,3 +179,38 @@ def test_replay_sources_are_checked(make_engine):
                              replay_sources=((2,) * 3,))])
   with pytest.raises(ValueError, match="replay_sources=2 needs acceptance_replay=True"):
     ENGINE_CONFIG.replace(replay_sources=2)
+
+
+# ---------------------------------------------------------------- counterfactual observation
+@pytest.mark.parametrize("draft, committed, expected", [
+    ((7, 8, 9), (7, 5), (3, 1)),  # diverges at position 1, inside the known tokens: exact
+    ((7, 8), (7, 8, 9), (2, 2)),  # ends inside them: exact, wholly accepted
+    ((7, 8, 9, 4), (7, 8), (2, 2)),  # matches all 2 known tokens: censored at 2
+    ((3,), (7, 8), (1, 0)),
+    ((), (7,), (0, 0)),
+    ((7, 8), (7,), (1, 1)),  # a stop cut the step to one token: censored at 1
+])
+def test_counterfactual_acceptance(draft, committed, expected):
+  assert counterfactual_acceptance(draft, committed) == expected
+
+
+def test_a_member_whose_first_rows_failed_is_chosen_again(make_engine):
+  # n-gram's recorded drafts accept nothing at the first output positions, then all;
+  # suffix accepts two drafts everywhere. After the bad start n-gram's estimate falls
+  # below suffix's; only the counterfactual observation of the drafts it still makes for
+  # the rows suffix drafts lets it be chosen again (otherwise the choice locks in).
+  prompts = [(5, 6, 7, 8) * 4, (9, 1, 2) * 5, (30, 31, 32, 33) * 3, (4, 40) * 6]
+  config = ENGINE_CONFIG.replace(acceptance_replay=True, replay_sources=2,
+                                 max_model_len=96, num_pages=48)
+  n, bad = 64, 4
+  ngram_trace, suffix_trace = (1,) * bad + (K + 1,) * (n - bad), (3,) * n
+  requests = [Request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True),
+                      replay_acc_len=ngram_trace, replay_sources=(suffix_trace,))
+              for i, p in enumerate(prompts)]
+  engine = make_engine(make_method("adaptive", K, drafters=("ngram", "suffix")), config)
+  _, metrics = engine.generate(requests)
+  stats = Adaptive.stats(engine.runtime)
+  assert stats.chosen["suffix"] > 0 and stats.counterfactual["ngram"] > 0, stats
+  # n-gram wins the rows back: most of its accepted drafts come after the bad start.
+  assert stats.accepted["ngram"] > stats.accepted["suffix"], stats
+  assert sum(stats.accepted.values()) == sum(s.num_accepted for s in metrics.steps)
