@@ -65,9 +65,10 @@ import pandas as pd
 
 from harness.traces import MethodTrace, replay_requests
 
-__all__ = ["EAGLE", "NGRAM", "Point", "StudyConfig", "combined_records", "engine_groups",
-           "fitting_records", "measure_study", "num_requests", "simulate_points",
-           "study_points", "summary_table", "verify_skip_method"]
+__all__ = ["EAGLE", "NGRAM", "Point", "StudyConfig", "combined_records", "draft_cost_points",
+           "engine_groups", "fit_cost_model", "fitting_records", "measure_study",
+           "num_requests", "simulate_points", "study_points", "summary_table",
+           "verify_skip_method"]
 
 EAGLE, NGRAM = "eagle", "ngram"  # the seed files' trace names
 COMBINED = "eagle+ngram"
@@ -339,12 +340,16 @@ def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_to
                     seed_cost=None) -> pd.DataFrame:
   """``measured`` (``measure_study``'s rows) with the simulators' numbers beside each
   (file, batch, point): ``sim_specjax_tau`` / ``sim_specjax_speedup`` (the same requests,
-  continuous batching, ``cost``), ``sim_seed_speedup`` (the seed's semantics under
+  continuous batching, ``cost``; end to end, the tail's partial batches and the prefills
+  included), ``sim_specjax_full_tau`` / ``sim_specjax_full_speedup`` (the same run over
+  its full-batch decode steps only, as the measured columns are; both charge a point that
+  drafts with the zero-cost constant drafter no draft cost), ``sim_seed_speedup`` (the seed's semantics under
   ``cost``) and, with ``seed_cost``, ``sim_seed_h100_speedup`` (the seed's semantics
   under the seed's own cost model: what the seed's simulator prints). The
   ``ngram_lookup`` points get none (their tau is not the trace's)."""
   from harness.seed_simulator import MATCH_PROBABILITY, simulate_seed  # noqa: PLC0415
   from harness.simulator import Policy, simulate  # noqa: PLC0415
+  from specjax.cost_model import DraftCost  # noqa: PLC0415
 
   by_point = {p.label: p for p in points}
   # The engine's prefill is KV-only: output position 0 is a decode step's.
@@ -363,8 +368,13 @@ def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_to
         if p is not None and p.policy is not None and p.length:
           kind, methods, k = p.policy
           pol = Policy(kind=kind, methods=methods, k=k)
-          sim = simulate(records[:n], engine_cost, pol, int(batch), batching="continuous")
-          row.update(sim_specjax_tau=sim["tau"], sim_specjax_speedup=sim["speedup"])
+          # A point drafting with the zero-cost constant drafter is simulated drafting free.
+          point_cost = engine_cost if p.drafter != "constant" else dataclasses.replace(
+              engine_cost, drafts={**engine_cost.drafts, **{m: DraftCost() for m in methods}})
+          sim = simulate(records[:n], point_cost, pol, int(batch), batching="continuous")
+          row.update(sim_specjax_tau=sim["tau"], sim_specjax_speedup=sim["speedup"],
+                     sim_specjax_full_tau=sim["full_tau"],
+                     sim_specjax_full_speedup=sim["full_speedup"])
           mp = MATCH_PROBABILITY.get(data) if kind == "fixed" and NGRAM in methods else None
           for name, model in (("sim_seed", cost), ("sim_seed_h100", seed_cost)):
             if model is None:
@@ -388,6 +398,47 @@ def _gap_closed(table: pd.DataFrame, row) -> float:
   if fixed.empty or bound.empty or bound.iloc[-1] <= fixed.max():
     return float("nan")
   return float((row.speedup - fixed.max()) / (bound.iloc[-1] - fixed.max()))
+
+
+def draft_cost_points(measured: pd.DataFrame) -> pd.DataFrame:
+  """The EAGLE-3 head's draft time per step, from ``measure_study`` rows, as
+  ``harness.cost_fit.fit``'s evaluation rows (columns method = ``EAGLE``, batch_size, k,
+  draft_ms, model, draft, device): each ``eagle3_k{k}`` row's step minus the zero-cost
+  drafter's at the same file, batch size, k and repeat (``step_ms * (1 - verify_share)``;
+  its fused step has no ``draft_ms`` of its own). Rows without a ``verify_share`` are
+  skipped."""
+  rows = measured[measured.point.str.fullmatch(r"eagle3_k\d+")
+                  & np.isfinite(measured.verify_share.astype(float))]
+  return pd.DataFrame({
+      "method": EAGLE, "batch_size": rows.batch.astype(int), "k": rows.L.astype(int),
+      "draft_ms": rows.step_ms * (1.0 - rows.verify_share),
+      "model": rows.target, "draft": "eagle3 head (random weights, fused)",
+      "device": rows.device})
+
+
+def fit_cost_model(engine_loop_frames, measured: pd.DataFrame, *, new_tokens: int,
+                   name: str, switch_s: float = 0.0):
+  """``harness.cost_fit.fit`` of the engine-loop rows (target and host overhead) with the
+  EAGLE-3 draft cost of ``draft_cost_points(measured)`` and a zero n-gram draft cost (the
+  study's ``ngram_k`` points draft with the zero-cost constant drafter): the cost model
+  the specjax-semantics simulator needs for the study's points on the card they ran on.
+
+  Raises:
+    ValueError: ``measured`` has no EAGLE-3 point with a ``verify_share``, or as
+      ``harness.cost_fit.fit``.
+  """
+  from harness import cost_fit  # noqa: PLC0415
+  from specjax.cost_model import DraftCost  # noqa: PLC0415
+
+  points = draft_cost_points(measured)
+  if points.empty:
+    raise ValueError("measured has no eagle3_k point with a verify_share (run the study "
+                     "with its ngram_k points at the same k)")
+  model = cost_fit.fit(engine_loop_frames, [points], new_tokens=new_tokens, name=name,
+                       switch_s=switch_s)
+  meta = dict(model.meta, draft_sources=dict(model.meta["draft_sources"], **{
+      NGRAM: "zero: the seed study's ngram_k points draft with the constant drafter"}))
+  return dataclasses.replace(model, drafts={**model.drafts, NGRAM: DraftCost()}, meta=meta)
 
 
 # The seed paper's own figure: the uncapped oracle combination, InstructCoder, batch 1.

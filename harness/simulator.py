@@ -103,10 +103,20 @@ class SimResult:
   verified: int = 0  # sum of l + 1 over row-steps (unpadded)
   num_switches: int = 0
   output_tokens: int = 0
+  # Over the decode steps whose batch was full (every slot busy), as the engine measures:
+  full_time_s: float = 0.0
+  full_steps: int = 0
+  full_row_steps: int = 0
+  full_committed: int = 0
 
   @property
   def tau(self) -> float:
     return self.committed / self.row_steps if self.row_steps else float("nan")
+
+  @property
+  def full_tokens_per_s(self) -> float:
+    """Committed tokens per second over the full-batch steps (NaN without one)."""
+    return self.full_committed / self.full_time_s if self.full_time_s else float("nan")
 
   def add(self, other: SimResult) -> None:
     for f in dataclasses.fields(self):
@@ -174,7 +184,7 @@ def _unit_cost(cost: CostModel, method: str, length: int) -> float:
   return cost.draft(method).time(1, length, 0.0, 0.0)
 
 
-def _step(policy, rows, arrays, cost: CostModel, res: SimResult) -> None:
+def _step(policy, rows, arrays, cost: CostModel, res: SimResult, full: bool) -> None:
   kv = 0
   lengths = []
   by_method: dict = collections.defaultdict(lambda: [0, 0])  # method -> [rows, max l]
@@ -210,6 +220,11 @@ def _step(policy, rows, arrays, cost: CostModel, res: SimResult) -> None:
   for row, commit in zip(rows, commits):
     res.committed += row.weight * commit
     row.pos += commit
+  if full:
+    res.full_time_s += parts.total
+    res.full_steps += 1
+    res.full_row_steps += num_rows
+    res.full_committed += sum(r.weight * c for r, c in zip(rows, commits))
 
 
 def _prefill(rows, arrays, cost: CostModel, kv_running: int, res: SimResult) -> None:
@@ -237,7 +252,7 @@ def _run(policy, arrays, order, cost, batch_size, weight, include_prefill) -> Si
       running.extend(r for r in new if arrays[r.index][0] > start)
     if not running:
       continue
-    _step(policy, running, arrays, cost, res)
+    _step(policy, running, arrays, cost, res, full=len(running) == batch_size)
     running = [r for r in running if r.pos < arrays[r.index][0]]
   return res
 
@@ -250,7 +265,10 @@ def simulate(records, cost: CostModel, policy: Policy, batch_size: int, *,
     dict with policy, batch_size, tau, speedup (AR time / SD time; ``copies``: mean SD
     throughput / mean AR throughput), sd/ar times and throughputs, and the SD decode
     time's shares: verify_share, draft_share, overhead_share, switch_share, plus
-    wasted_verify_share = 1 - committed / verified tokens (unpadded).
+    wasted_verify_share = 1 - committed / verified tokens (unpadded); full_tau and
+    full_speedup: the same over only the decode steps whose batch was full (every slot
+    busy; SD committed tokens per second over AR's), what ``harness.seed_study`` and the
+    engine measure (NaN if no step was full).
 
   Raises:
     ValueError: bad batch size or batching, or a trace without a method of the policy.
@@ -298,6 +316,8 @@ def simulate(records, cost: CostModel, policy: Policy, batch_size: int, *,
       "overhead_share": share(sd.overhead_s), "switch_share": share(sd.switch_s),
       "num_switches": sd.num_switches,
       "wasted_verify_share": 1 - sd.committed / sd.verified if sd.verified else float("nan"),
+      "full_tau": sd.full_committed / sd.full_row_steps if sd.full_row_steps else float("nan"),
+      "full_speedup": sd.full_tokens_per_s / ar.full_tokens_per_s,
   }
 
 

@@ -103,6 +103,10 @@ def test_batch_two_continuous_and_copies():
   assert r["ar_time_s"] == pytest.approx(68 * MS)
   assert r["sd_time_s"] == pytest.approx(46 * MS)
   assert r["speedup"] == pytest.approx(68 / 46) and r["tau"] == 2.0
+  # Over the full-batch steps only (both rows running): SD step 1 commits 3 + 2 in 17 ms
+  # (tau 5 / 2); AR steps 1 and 2 commit 4 in 24 ms: speedup (5 / 17) / (4 / 24).
+  assert r["full_tau"] == 2.5
+  assert r["full_speedup"] == pytest.approx((5 / 17) / (4 / 24))
   # Copies (the seed's batching), batch 2, request A: AR 6 steps of 10 + 2 = 72 ms;
   # SD steps q = 2*3, 2*3, 2*2: 16 + 2, 16 + 2, 14 + 2 = 52 ms; speedup 72/52.
   r = sim([A], Policy(kind="fixed", methods=("a",), k=2), batch=2, batching="copies")
