@@ -45,7 +45,8 @@ share of drafting rows per member; ``verify_share`` = the zero-cost drafter's
 step at the same k / this point's step (the time not spent drafting; 1 for the
 zero-cost rows). Per batch size each engine (``engine_groups``) is warmed up once by
 ``Engine.precompile`` (every shape of every file's requests), then ``repeats`` measured
-runs per point and file, each a row.
+runs per point and file, each a row, each starting from a cleared method cache (adaptive's
+estimates are learned afresh in every run: no file or repeat inherits another's).
 
 ``simulate_points`` adds, per point, what the trace simulators print for it: specjax
 semantics (``harness.simulator.simulate``, the same requests, continuous batching) and
@@ -230,6 +231,10 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
       warm_s = time.perf_counter() - t0
       for p, data, reqs in runs:
         for rep in range(cfg.repeats):
+          # Every run starts from the same method state: adaptive's estimates (or any
+          # cross-request cache) learned on the warm-up, another file or an earlier
+          # repeat must not carry over.
+          engine.runtime.method_cache.clear()
           t0 = time.perf_counter()
           _, met = engine.generate(reqs)
           wall = time.perf_counter() - t0
