@@ -399,15 +399,25 @@ for step in "$@"; do
         --attention_implementation=pallas_gpu,reference ${SEED_POINTS:+--points=$SEED_POINTS} \
         ${SEED_ARGS:---drafter_option=draft_vocab_size=32000} \
         --output_dir="$OUT/seed_study${SEED_TAG:-}" ;;
-    cost_grid)  # the cost model's fit and held-out points (experiments.check_cost_model):
-      # unrolled 8B engine-loop grid, profiled, then the 70B shape at 4, 8 and 12 layers
-      run cost_grid_8b python3 -m benchmarks.engine_loop --target=llama3-8b \
-        --batch_sizes=${GRID_BATCHES:-1,4,8,16,32,64,128} --contexts=${GRID_CONTEXTS:-512,1024,2048} \
-        --lengths=0,1,3,5,8 --attention_implementation=pallas_gpu,reference \
-        --output_dir="$OUT/cost_grid_8b"
-      run cost_grid_70b python3 -m benchmarks.engine_loop --target=llama3.3-70b \
-        --num_layers=4,8,12 --batch_sizes=1,16,64 --contexts=512,2048 --lengths=0,1,4 \
-        --attention_implementation=pallas_gpu,reference --output_dir="$OUT/cost_grid_70b" ;;
+    cost_grid)  # the cost model's fit and held-out points (docs/gpu/cost_model_check):
+      # unrolled 8B engine-loop groups, profiled, each its own process (a group that runs
+      # out of memory loses only itself); GRID_GROUPS picks groups. Batch 64 at context
+      # 2048 does not fit an 80 GB card, so batch 64 and 128 fit at context 512 only.
+      IMPL="--attention_implementation=pallas_gpu,reference"
+      L8="--target=llama3-8b --lengths=0,1,4,8"
+      L70="--target=llama3.3-70b --batch_sizes=1,16,64 --contexts=512,2048 --lengths=0,4"
+      for g in ${GRID_GROUPS:-8b_fit_b1 8b_fit_b16 8b_held 8b_fit_b64_c512 8b_fit_b128_c512 70b_l4 70b_l8 70b_l12}; do
+        case $g in
+          8b_fit_b1) a="$L8 --batch_sizes=1 --contexts=512,2048" ;;
+          8b_fit_b16) a="$L8 --batch_sizes=16 --contexts=512,2048" ;;
+          8b_fit_b64_c512) a="$L8 --batch_sizes=64 --contexts=512" ;;
+          8b_fit_b128_c512) a="$L8 --batch_sizes=128 --contexts=512" ;;
+          8b_held) a="--target=llama3-8b --batch_sizes=4,32 --contexts=1024 --lengths=0,1,4" ;;
+          70b_l*) a="$L70 --num_layers=${g#70b_l}" ;;
+          *) echo "unknown cost_grid group $g"; continue ;;
+        esac
+        run "cost_grid_$g" python3 -m benchmarks.engine_loop $IMPL $a --output_dir="$OUT/cost_grid_$g"
+      done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs a long device job across several device-tool calls (each at most 10 minutes; the
+# machine stays warm between back-to-back calls, its /tmp with it):
+#   bash benchmarks/device_background.sh start STEP...   # h200_session.sh STEPs, detached
+#   bash benchmarks/device_background.sh poll [SECONDS]  # wait (default 540 s) or until
+#                                                        # done; copy results to $OUT
+# Results go to $DEVICE_JOB (default /tmp/device_job: session.log, STEP.log, output folders); poll copies the
+# CSVs, logs and PNGs (not checkpoints) into $OUT and prints the session log's tail.
+set -u
+JOB=${DEVICE_JOB:-/tmp/device_job}
+case ${1:-} in
+  start)
+    shift
+    if [ -e $JOB/driver.log ]; then echo "a job is already running here"; exit 0; fi
+    mkdir -p $JOB
+    (OUT=$JOB setsid bash benchmarks/h200_session.sh "$@" > $JOB/driver.log 2>&1 < /dev/null
+     echo "exit $?" >> $JOB/driver.log; touch $JOB/DONE) > /dev/null 2>&1 &
+    echo "started: $*" ;;
+  poll)
+    [ -e $JOB/driver.log ] || { echo "no job on this machine (a fresh one?)"; exit 1; }
+    end=$((SECONDS + ${2:-540}))
+    while [ ! -e $JOB/DONE ] && [ $SECONDS -lt $end ]; do sleep 10; done
+    (cd $JOB && find . -type f \( -name '*.csv' -o -name '*.log' -o -name '*.png' \
+      -o -name '*.json' -o -name '*.txt' \) -size -4M -print0 | xargs -0 -r cp --parents -t "${OUT:?}")
+    [ -e $JOB/DONE ] && echo "DONE" || echo "still running"
+    tail -n 30 $JOB/session.log 2>/dev/null || tail -n 5 $JOB/driver.log ;;
+  *) echo "usage: $0 start STEP... | poll [SECONDS]"; exit 2 ;;
+esac
