@@ -22,6 +22,11 @@ TIMEOUT_S = 600
 
 def _start(*args):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  # Keep the suite's backend optimization level (tests/conftest.py), no device count.
+  opt = [f for f in os.environ.get("XLA_FLAGS", "").split()
+         if f.startswith("--xla_backend_optimization_level")]
+  if opt:
+    env["XLA_FLAGS"] = " ".join(opt)
   return subprocess.Popen([sys.executable, SCRIPT, *args], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env)
 
