@@ -217,14 +217,16 @@ def _step(policy, rows, arrays, cost: CostModel, res: SimResult, full: bool) -> 
   res.num_steps += 1
   res.row_steps += num_rows
   res.verified += int(np.sum(np.asarray(lengths) + 1))
+  step_committed = 0
   for row, commit in zip(rows, commits):
-    res.committed += row.weight * commit
+    step_committed += row.weight * commit
     row.pos += commit
+  res.committed += step_committed
   if full:
     res.full_time_s += parts.total
     res.full_steps += 1
     res.full_row_steps += num_rows
-    res.full_committed += sum(r.weight * c for r, c in zip(rows, commits))
+    res.full_committed += step_committed
 
 
 def _prefill(rows, arrays, cost: CostModel, kv_running: int, res: SimResult) -> None:
