@@ -6,6 +6,8 @@
 # Needs: SPECJAX_CACHE with the models' .gguf files (benchmarks/device_stage.sh moves
 # them), the gguf wheel installed. A step "wait:PATH" waits until PATH exists, so a queue
 # started in the background can run ahead of weights that are still being carried over.
+# A step "NAME=VALUE" exports it for the steps after it, so one queue can run a step twice
+# with other settings, e.g.: SEED_BATCHES=1 seed_study SEED_BATCHES=64 SEED_TAG=_b64 seed_study
 # Set CUDA_VISIBLE_DEVICES per queue to run two queues on a two-GPU machine. EVAL_ARGS
 # is appended to every evaluation (later flags win), e.g. a short smoke run on a CPU:
 #   EVAL_ARGS="--num_prompts=1 --max_new_tokens=4 --batch_sizes=1" bash ... qwen_pair
@@ -40,6 +42,9 @@ for step in "$@"; do
     wait:*)
       echo "=== waiting for ${step#wait:}" | tee -a "$OUT/session.log"
       while [ ! -e "${step#wait:}" ]; do sleep 5; done ;;
+    [A-Z_]*=*)
+      echo "=== export $step" | tee -a "$OUT/session.log"
+      export "$step" ;;
     profile)
       run profile_ar_b1 python3 -m benchmarks.profile_step --batch=1 --context=512 --host_profile \
         --attention_implementation=pallas_gpu
