@@ -34,8 +34,9 @@ _TRACES = flags.DEFINE_list("traces", [], "Seed trace files (combined_<data>.jso
 _BATCH = flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64", "128"], "Batch sizes.")
 _K = flags.DEFINE_list("fixed_k", ["1", "3", "5"], "Fixed draft lengths.")
 _W = flags.DEFINE_list("oracle_widths", ["8"], "Verify widths of the oracle points.")
-_POINTS = flags.DEFINE_list("points", [], "Only AR and these point labels (default: all; "
-                            "verify_share needs the ngram_k rows).")
+_POINTS = flags.DEFINE_list("points", [], "Only AR and these point labels, measured in this "
+                            "order after AR (default: all; verify_share needs the ngram_k rows, "
+                            "verify_skip_k the ngram_k point before it).")
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Measured runs per point.", lower_bound=1)
 _PER_SLOT = flags.DEFINE_integer("requests_per_slot", 2, "Requests per batch slot.",
                                  lower_bound=1)
@@ -66,7 +67,8 @@ def main(argv):
     unknown = sorted(set(_POINTS.value) - known)
     if unknown:
       raise ValueError(f"--points={unknown} unknown; points: {sorted(known)}")
-    points = [p for p in points if p.label in _POINTS.value or p.length == 0]
+    by_label = {p.label: p for p in points}
+    points = [p for p in points if p.length == 0] + [by_label[x] for x in _POINTS.value]
   os.makedirs(_OUT.value, exist_ok=True)
   if _MEASURED.value:
     measured = pd.read_csv(_MEASURED.value)
