@@ -27,13 +27,14 @@ run() {  # name, command...
 evaluate() { python3 -m experiments.evaluate "$@" ${EVAL_ARGS:-}; }
 # Trains a models.zoo.HEADS head with its documented command (into $SPECJAX_CACHE/heads/
 # NAME; TRAIN_ARGS is appended, later flags win), then packs it (no data, no checkpoints)
-# into 4 MB parts $OUT/NAME.tgz.part* (bigger files are not returned by the device tool).
+# into 15 MB parts $OUT/NAME.tgz.part* (the device tool returns files of at most 16 MiB,
+# 8 a call; install_heads unpacks them).
 zoo_train() {  # NAME
   local cmd dir=${SPECJAX_CACHE:?}/heads
   cmd=$(python3 -c "from models.zoo import HEADS; print(HEADS['$1'].command)")
   run "train_$1" timeout "${HEAD_TIMEOUT:-1500}" python3 ${cmd#python } ${TRAIN_ARGS:-}
   rm -rf "$dir/$1/checkpoints"
-  tar cf - -C "$dir" --exclude=data.npz "$1" | gzip -1 | split -b 4m - "$OUT/$1.tgz.part"
+  tar cf - -C "$dir" --exclude=data.npz "$1" | gzip -1 | split -b 15m - "$OUT/$1.tgz.part"
 }
 QWEN="--target=qwen2.5-coder-1.5b --draft=qwen2.5-coder-0.5b --layer_execution=scan
   --attention_implementation=pallas_gpu,reference"
@@ -86,6 +87,67 @@ for step in "$@"; do
         --methods=$METHODS --num_speculative_tokens=5 "${OPTS[@]}" \
         --layer_execution=${LAYERS:-unrolled} \
         --attention_implementation=pallas_gpu,reference --output_dir="$OUT/eval_heads" ;;
+    methods_table)  # issue 20 part 1: every SmolLM2 method (f32, real weights) on all six
+      # Spec-Bench tasks (MT-Bench is one), MT_PROMPTS x 128 tokens, k = 4, 3 repeats; one
+      # process per (temperature, batch size), MT_TEMPS outer (greedy first) and MT_BATCHES
+      # inner (batch 1 first); in each, the MT_METHODS in order (most wanted first), each
+      # warmed up once and measured 3 times before the next (--method_by_method: the files
+      # are rewritten after every pass, so a cut-off run keeps every finished method).
+      # Heads (models.zoo.HEADS; run train_heads or install_heads first; a method whose head
+      # is missing is left out and said so in session.log): smollm2-135m-eagle3 (all turns,
+      # own 16,384-token LM head, soft labels) for eagle3@tree (4 deep, 8 nodes, branching
+      # 4: the 1.650x MT-Bench configuration), eagle3@chain and the drafter of svip,
+      # turbospec and sv; smollm2-135m-{eagle,mtp,medusa} (4096 first turns); every head
+      # drafts at matmul_precision=default, as in the 1.650x run. No other model has
+      # SmolLM2's tokenizer, so hsddw's M2 and sv's companion are MT_DRAFT (default the
+      # target itself: their acceptance at its best, at a target forward's cost); hsddw's
+      # M1 is n-gram, adaptive picks between suffix and n-gram, verify_skip wraps n-gram.
+      # Device time, from the H200 logs in docs/gpu/device_resident_loop (warm-up 316 s
+      # for 6 engines from an empty compile cache, 207 s for 5; a measured pass of
+      # 16 x 128 tokens at batch 1 2.9 s; "~50 s of warm-up per method"): ~50 s warm-up
+      # per engine, a 24 x 128-token pass at batch 1 ~4 s for the 8 fused engines and
+      # ~10 s for the 10 host-path or target-sized drafters, less at 4 and 16. 18 engines:
+      # ~1300 s at batch 1, ~1060 s at 4, ~980 s at 16: ~56 min greedy, as much at
+      # T = 0.8, plus the heads once (~15 min: docs/gpu/device_resident_loop, "~150 s of
+      # regeneration + ~290 s of training" for EAGLE-3, MTP's 800 steps 92 s) and ~4 min
+      # of start and staging a session: six 30-minute sessions. Plan: (1) stage, train_heads,
+      # MT_TEMPS=0 MT_BATCHES=1 until the time is spent (~9 engines), the heads' parts
+      # back; (2)-(4) the rest of greedy, batch 1, 4, 16 (MT_METHODS: what is left, MT_TAG);
+      # (5)-(6) T = 0.8. If only four fit: T = 0.8 at batch 1 and 16 only, without
+      # layerskip@e15, @e22, hsddw and sv (13 engines, ~250 s less a run).
+      hp='"head_path": "smollm2-135m-eagle3", "matmul_precision": "default"'
+      for temp in ${MT_TEMPS:-0 0.8}; do
+        for b in ${MT_BATCHES:-1 4 16}; do
+          name=methods_t${temp//./}_b$b${MT_TAG:-}; methods=ar; opts=(); draft=()
+          for m in ${MT_METHODS:-ar ngram suffix eagle3@tree eagle3@chain eagle mtp medusa \
+              adaptive verify_skip svip turbospec layerskip@e15 layerskip@e22 layerskip@e27 \
+              hsddw sv}; do
+            o=()
+            case $m in
+              ar) continue ;;
+              eagle3@tree) o=(head_path=smollm2-135m-eagle3 tree_nodes=8 tree_branching=4) ;;
+              eagle3@chain) o=(head_path=smollm2-135m-eagle3) ;;
+              eagle|mtp|medusa) o=(head_path=smollm2-135m-$m) ;;
+              svip|turbospec) o=(drafter=eagle3 "drafter_options={$hp}") ;;
+              sv) o=(drafter=eagle3 "drafter_options={$hp}" companion=${MT_DRAFT:-smollm2-135m}) ;;
+              layerskip@e*) o=(exit_layer=${m#layerskip@e}) ;;
+              hsddw) draft=(--draft=${MT_DRAFT:-smollm2-135m}) ;;
+            esac
+            need=$(grep -o "smollm2-135m-[a-z0-9]*" <<< "${o[*]}" | head -n 1)
+            if [ -n "$need" ] && [ ! -f "${SPECJAX_CACHE:?}/heads/$need/head/head_config.json" ]; then
+              echo "=== $name: $m left out (no trained head $need)" | tee -a "$OUT/session.log"
+              continue
+            fi
+            case $m in eagle*|mtp|medusa) o+=(matmul_precision=default) ;; esac
+            methods=$methods,$m
+            for kv in "${o[@]}"; do opts+=("--method_option=$m.$kv"); done
+          done
+          run "$name" evaluate --target=smollm2-135m "${draft[@]}" --methods=$methods \
+            "${opts[@]}" --num_speculative_tokens=4 --temperature=$temp --batch_sizes=$b \
+            --num_prompts=${MT_PROMPTS:-24} --max_new_tokens=128 --repeats=${MT_REPEATS:-3} \
+            --method_by_method --output_dir="$OUT/$name"
+        done
+      done ;;
     compare_cpu)  # same default run as the CPU one at $CPU_OUTPUTS, then CPU-vs-GPU divergences
       run eval_default_gpu evaluate --attention_implementation=pallas_gpu,reference \
         --layer_execution=${LAYERS:-unrolled} --output_dir="$OUT/eval_default_gpu"

@@ -124,6 +124,10 @@ _PLOTS = flags.DEFINE_boolean("plots", True, "Write figures next to results.csv.
 _DEVICE_PROFILE = flags.DEFINE_boolean(
     "device_profile", False, "One more pass per method under jax.profiler: device_ms and "
     "c_device columns (device time per step; GPU/TPU only) and ops_{method}_b{batch}.csv.")
+_METHOD_BY_METHOD = flags.DEFINE_boolean(
+    "method_by_method", False, "Per batch size, each method's warm-up and repeats before the "
+    "next method's (AR first), so a run cut off early keeps every finished method's rows "
+    "(results.csv is rewritten after each measured pass); not with --device_profile.")
 _PEER = flags.DEFINE_enum(
     "peer", "none", ["none", "hf"],
     "hf: also run Hugging Face transformers (greedy generate and prompt-lookup decoding) on the "
@@ -207,6 +211,7 @@ def config_from_flags() -> EvalConfig:
       plots=_PLOTS.value,
       peer=None if _PEER.value == "none" else _PEER.value,
       device_profile=_DEVICE_PROFILE.value,
+      method_by_method=_METHOD_BY_METHOD.value,
       acceptance=_ACCEPTANCE.value,
   )
 

@@ -199,6 +199,12 @@ class EvalConfig:
       (against AR's), so c splits into speculation (device) and host overhead; with
       ``output_dir``, ``ops_{method}_b{batch}.csv`` lists every device op per step. A
       GPU/TPU backend only (a CPU trace has no device track).
+    method_by_method: per batch size, each method's warm-up and repeats run before the
+      next method's engine is built (AR first; every method's rows against AR's pass of
+      the same repeat), instead of every method in each repeat; with ``output_dir``, a
+      run cut off early keeps the rows of every method it finished (``results.csv`` is
+      rewritten after each measured pass either way). Not with ``device_profile``
+      (which profiles every method against AR in one pass).
     acceptance: "real" (drafts are verified), or "replay:FILE[:METHOD]": the first
       ``num_prompts`` requests of a trace file (``harness.traces.replay_requests``: each
       record's prompt and output lengths; ``dataset``, ``input_len``, ``categories`` and
@@ -247,6 +253,7 @@ class EvalConfig:
   plots: bool = True
   peer: str | None = None
   device_profile: bool = False
+  method_by_method: bool = False
   acceptance: str = "real"
 
   def __post_init__(self):
@@ -316,6 +323,9 @@ class EvalConfig:
       v = getattr(self, name)
       if v is not None and not v > 0:
         raise ValueError(f"{name}={v} must be > 0 seconds (None = no SLO)")
+    if self.method_by_method and self.device_profile:
+      raise ValueError("method_by_method=True cannot run with device_profile=True (the "
+                       "profile pass times every method against AR in one pass)")
     if self.peer not in PEERS:
       raise ValueError(f"peer={self.peer!r} must be one of {PEERS}")
     if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
@@ -713,55 +723,75 @@ def _run_passes(cfg: EvalConfig, loaded: _Loaded, workload: _Workload,
   """Warm-up and measured passes phase: per batch size and repeat, fresh engines
   (``_engines``), the warm-up pass on the first repeat (``_warmup_pass``), one measured
   pass per method (``_measured_pass``) and its rows (``_pass_rows``); the device
-  profile pass after the last repeat when asked. Runs under ``cfg.matmul_precision``,
-  with one progress bar over every pass (in output tokens)."""
+  profile pass after the last repeat when asked. With ``cfg.method_by_method`` each
+  method (AR first) runs its warm-up and repeats before the next, its rows against AR's
+  pass of the same repeat. After each measured pass the rows so far are written
+  (``_write`` without figures), so a run cut off early keeps them. Runs under
+  ``cfg.matmul_precision``, with one progress bar over every pass (in output tokens)."""
   budget = sum(r.sampling.max_tokens for r in workload.requests)
   warm_budget = sum(r.sampling.max_tokens for r in warm_requests)
   passes_tokens = len(cfg.batch_sizes) * len(loaded.methods) * (
       (cfg.repeats + int(cfg.device_profile)) * budget + int(cfg.warmup) * warm_budget)
+  groups = ([[name] for name in loaded.methods] if cfg.method_by_method
+            else [list(loaded.methods)])
   out = _Passes()
   precision = (jax.default_matmul_precision(cfg.matmul_precision) if cfg.matmul_precision
                else contextlib.nullcontext())
   with precision, contextlib.closing(_Progress(passes_tokens, progress)) as bar:
     for batch in cfg.batch_sizes:
-      for rep in range(cfg.repeats):
-        engines = _engines(cfg, loaded, workload, batch, rep, mesh)
-        if cfg.warmup and rep == 0:
-          out.warmup_s += _warmup_pass(cfg, engines, workload.requests, warm_requests,
-                                       batch, bar)
-        rep_requests = _repeat_requests(workload.requests, cfg.seed, rep)
-        t0 = time.perf_counter()
-        results = _measured_pass(engines, rep_requests, batch, rep, budget, bar)
-        out.measure_s += time.perf_counter() - t0
-        kv_bytes = {name: method_kv_bytes_per_token(loaded.methods[name], engine.runtime)
-                    for name, engine in engines.items()}
-        rows, records = _pass_rows(
-            cfg, loaded.methods, results, workload.prompts, static, batch=batch, rep=rep,
-            needs_draft=loaded.needs_draft, kv_bytes=kv_bytes,
-            check_lossless=cfg.temperature == 0 and loaded.replay is None,
-            target_split=loaded.target_split)
-        out.rows.extend(rows)
-        out.output_records.extend(records)
-        if cfg.device_profile and rep == cfg.repeats - 1:
-          bar.start(f"device profile b={batch}", budget * len(engines))
-          _device_profile(engines, rep_requests, out.rows, batch, cfg.output_dir, bar)
-          bar.finish()
-        del engines
-      if jax.default_backend() == "cpu":
-        # Each held XLA:CPU executable keeps ~6 memory mappings: every method at every
-        # batch size in one process reached vm.max_map_count (65,530) and segfaulted in a
-        # persistent-cache write (4 methods, batch 1 and 4, SmolLM2: 54,168 mappings after
-        # batch 1). The next batch size compiles its own shapes (or loads them from the
-        # persistent cache) in its warm-up, so its measured passes are unaffected.
-        jax.clear_caches()
+      ar_passes = {}  # repeat -> AR's (outputs, metrics) and KV bytes per token
+      warm_s = {}  # method -> its warm-up's wall seconds at this batch size
+      for names in groups:
+        for rep in range(cfg.repeats):
+          engines = _engines(cfg, loaded, workload, batch, rep, mesh, names)
+          if cfg.warmup and rep == 0:
+            warm_s.update(_warmup_pass(cfg, engines, workload.requests, warm_requests,
+                                       batch, bar))
+          rep_requests = _repeat_requests(workload.requests, cfg.seed, rep)
+          t0 = time.perf_counter()
+          results = _measured_pass(engines, rep_requests, batch, rep, budget, bar)
+          out.measure_s += time.perf_counter() - t0
+          kv_bytes = {name: method_kv_bytes_per_token(loaded.methods[name], engine.runtime)
+                      for name, engine in engines.items()}
+          if "ar" in results:
+            ar_passes[rep] = (results["ar"], kv_bytes["ar"])
+          results = {"ar": ar_passes[rep][0], **results}
+          kv_bytes = {"ar": ar_passes[rep][1], **kv_bytes}
+          rows, records = _pass_rows(
+              cfg, loaded.methods, results, workload.prompts, static, batch=batch, rep=rep,
+              needs_draft=loaded.needs_draft, kv_bytes=kv_bytes,
+              check_lossless=cfg.temperature == 0 and loaded.replay is None,
+              target_split=loaded.target_split)
+          out.rows.extend({**r, "warmup_s": warm_s.get(r["method"])}
+                          for r in rows if r["method"] in engines)
+          out.output_records.extend(r for r in records if r["method"] in engines)
+          if cfg.device_profile and rep == cfg.repeats - 1:
+            bar.start(f"device profile b={batch}", budget * len(engines))
+            _device_profile(engines, rep_requests, out.rows, batch, cfg.output_dir, bar)
+            bar.finish()
+          del engines
+          if cfg.output_dir is not None:
+            df = _results_frame(out.rows, cfg.num_speculative_tokens)
+            _write(cfg, df, out.output_records, category_table(out.output_records, df), None,
+                   figures=False)
+        if jax.default_backend() == "cpu":
+          # Each held XLA:CPU executable keeps ~6 memory mappings: every method at every
+          # batch size in one process reached vm.max_map_count (65,530) and segfaulted in
+          # a persistent-cache write (4 methods, batch 1 and 4, SmolLM2: 54,168 mappings
+          # after batch 1). The next batch size (or method) compiles its own shapes (or
+          # loads them from the persistent cache) in its warm-up, so its measured passes
+          # are unaffected.
+          jax.clear_caches()
+      out.warmup_s += sum(warm_s.values())
   return out
 
 
 def _engines(cfg: EvalConfig, loaded: _Loaded, workload: _Workload, batch: int, rep: int,
-             mesh) -> dict[str, Engine]:
-  """One ``Engine`` per method for one (batch size, repeat): ``max_num_seqs=batch``,
-  sampling seed ``cfg.seed + rep``. A fresh engine per repeat (same jitted executables,
-  new KV pool and state); SD methods replay acceptance when ``cfg.acceptance`` says so."""
+             mesh, names: Sequence[str]) -> dict[str, Engine]:
+  """One ``Engine`` per method of ``names`` for one (batch size, repeat):
+  ``max_num_seqs=batch``, sampling seed ``cfg.seed + rep``. A fresh engine per repeat
+  (same jitted executables, new KV pool and state); SD methods replay acceptance when
+  ``cfg.acceptance`` says so."""
   engine_cfg = EngineConfig(
       max_num_seqs=batch, max_model_len=workload.max_model_len, page_size=cfg.page_size,
       attention_implementation=cfg.attention_implementation,
@@ -771,25 +801,27 @@ def _engines(cfg: EvalConfig, loaded: _Loaded, workload: _Workload, batch: int, 
   )
   tokenizer = loaded.target.tokenizer
   return {
-      name: Engine(loaded.target_split, method,
+      name: Engine(loaded.target_split, loaded.methods[name],
                    engine_cfg.replace(acceptance_replay=loaded.replay is not None
                                       and name != "ar"),
                    draft=loaded.draft_split if name in loaded.needs_draft else None,
                    eos_token_ids=() if tokenizer is None else tokenizer.eos_token_ids,
                    decode=None if tokenizer is None else tokenizer.decode)
-      for name, method in loaded.methods.items()
+      for name in names
   }
 
 
 def _warmup_pass(cfg: EvalConfig, engines: Mapping[str, Engine], requests: Sequence[Request],
-                 warm_requests: Sequence[Request], batch: int, bar) -> float:
+                 warm_requests: Sequence[Request], batch: int, bar) -> dict[str, float]:
   """Warm-up phase, untimed: per engine, precompile every step shape the measured
   passes can meet (``cfg.precompile``, in ``cfg.precompile_threads`` threads), then run
   ``warm_requests`` (compiling what is left: slot admission, a method's own host-called
-  functions), then clear the method's cross-request cache. Returns its wall seconds."""
-  t0 = time.perf_counter()
+  functions), then clear the method's cross-request cache. Returns each engine's wall
+  seconds."""
+  seconds = {}
   warm_budget = sum(r.sampling.max_tokens for r in warm_requests)
   for name, engine in engines.items():
+    t0 = time.perf_counter()
     bar.start(f"warm-up {name} b={batch}", warm_budget)
     if cfg.precompile:
       engine.precompile(_fit(engine, requests), num_threads=cfg.precompile_threads)
@@ -798,7 +830,8 @@ def _warmup_pass(cfg: EvalConfig, engines: Mapping[str, Engine], requests: Seque
     # Cross-request caches (suffix decoding's global tree, adaptive's estimates)
     # must not carry the warm-up's responses into the measured pass.
     engine.runtime.method_cache.clear()
-  return time.perf_counter() - t0
+    seconds[name] = time.perf_counter() - t0
+  return seconds
 
 
 def _measured_pass(engines: Mapping[str, Engine], requests: Sequence[Request], batch: int,
@@ -1166,7 +1199,9 @@ def run_summary(cfg: EvalConfig, df: pd.DataFrame, categories: pd.DataFrame,
 
 
 def _write(cfg: EvalConfig, df: pd.DataFrame, records: list[dict], categories: pd.DataFrame,
-           peer: pd.DataFrame | None) -> None:
+           peer: pd.DataFrame | None, *, figures: bool | None = None) -> None:
+  """Writes the results files into ``cfg.output_dir``, and the figures when ``figures``
+  (None: ``cfg.plots``)."""
   os.makedirs(cfg.output_dir, exist_ok=True)
   df.to_csv(os.path.join(cfg.output_dir, "results.csv"), index=False)
   categories.to_csv(os.path.join(cfg.output_dir, "categories.csv"), index=False)
@@ -1179,7 +1214,7 @@ def _write(cfg: EvalConfig, df: pd.DataFrame, records: list[dict], categories: p
     json.dump(dataclasses.asdict(cfg), f, indent=2)
   with open(os.path.join(cfg.output_dir, "results.json"), "w", encoding="utf-8") as f:
     json.dump(run_summary(cfg, df, categories, peer), f, indent=2, default=str)
-  if cfg.plots:
+  if cfg.plots if figures is None else figures:
     from harness import plots  # noqa: PLC0415
 
     plots.evaluation_figures(cfg.output_dir, df, categories, records)

@@ -268,3 +268,7 @@ class SpeculativeVerification(WrappedDrafter):
         np.add.at(table[0], bins[: min(acc, seen)], 1.0)
     state.inner = self.inner.observe(state.inner, result)
     return state
+
+  def observe_prefill(self, state: _State, result):
+    state.inner = self.inner.observe_prefill(state.inner, result)
+    return state

@@ -110,6 +110,38 @@ def test_end_to_end_greedy_lossless(tiny_models, tmp_path, capsys):
     assert header in printed
 
 
+def test_method_by_method_rows_against_one_ar_pass(tiny_models, tmp_path, monkeypatch):
+  """``method_by_method``: per batch size each method's warm-up and repeats in turn (AR
+  first), its rows against AR's pass of the same repeat: the same tau and outputs as every
+  method in each repeat, and the rows so far written after every measured pass."""
+  base = dict(target="tiny-target", draft="tiny-draft", methods=("ngram", "draft_model"),
+              num_prompts=3, batch_sizes=(1, 2), num_speculative_tokens=3, max_new_tokens=8,
+              page_size=8, repeats=2, plots=False)
+  written = []
+  write = evaluation._write
+  monkeypatch.setattr(evaluation, "_write", lambda cfg, df, *args, **kwargs: (
+      written.append(df.method.tolist()), write(cfg, df, *args, **kwargs)))
+  with jax.default_matmul_precision("highest"):
+    ref = run_evaluation(EvalConfig(**base), progress=False, verbose=False)
+    df = run_evaluation(EvalConfig(**base, method_by_method=True, output_dir=str(tmp_path)),
+                        progress=False, verbose=False)
+  assert list(zip(df.method, df.batch_size, df.repeat)) == [
+      (m, b, r) for b in (1, 2) for m in ("ar", "ngram", "draft_model") for r in (0, 1)]
+  key = ["method", "batch_size", "repeat"]
+  both = df.merge(ref, on=key, suffixes=("", "_ref"))
+  assert len(both) == len(df) == len(ref)
+  assert (both.tau == both.tau_ref).all()
+  assert (both.num_output_tokens == both.num_output_tokens_ref).all()
+  assert df[df.method != "ar"].lossless.tolist() == [True] * 8
+  assert (df.c > 0).all() and df.c.notna().all()
+  assert (df.warmup_s > 0).all()  # each method's own warm-up, on each of its rows
+  # one write per measured pass (3 methods x 2 repeats x 2 batch sizes), then the last
+  assert len(written) == 13 and written[0] == ["ar"] and written[2] == ["ar", "ar", "ngram"]
+  assert len(pd.read_csv(tmp_path / "results.csv")) == len(df)
+  with pytest.raises(ValueError, match="method_by_method"):
+    EvalConfig(method_by_method=True, device_profile=True)
+
+
 def test_sampling_online_repeats(tiny_models):
   cfg = EvalConfig(
       target="tiny-target", methods=("ngram",), dataset="gsm8k", num_prompts=3,
