@@ -53,6 +53,9 @@ _DRAFTER_OPTION = flags.DEFINE_multi_string(
 _COST = flags.DEFINE_string("cost_model", None, "With it: the simulators' columns, table "
                             f"and figures (a preset {sorted(cost_model.PRESETS)} or JSON).")
 _MEASURED = flags.DEFINE_string("measured_csv", None, "Skip measuring: read this CSV.")
+_PREDICT = flags.DEFINE_boolean("predict", False, "Skip measuring: only the simulators' "
+                                "columns of every point at --batch_sizes under --cost_model "
+                                "(predicted.csv), e.g. before a device run.")
 _OUT = flags.DEFINE_string("output_dir", "results/seed_study", "Where the files go.")
 
 
@@ -70,6 +73,9 @@ def main(argv):
     by_label = {p.label: p for p in points}
     points = [p for p in points if p.length == 0] + [by_label[x] for x in _POINTS.value]
   os.makedirs(_OUT.value, exist_ok=True)
+  if _PREDICT.value:
+    _predict(points)
+    return
   if _MEASURED.value:
     measured = pd.read_csv(_MEASURED.value)
   else:
@@ -103,6 +109,18 @@ def _measure(points) -> pd.DataFrame:
   df["matmul_precision"] = _PRECISION.value or "default"
   df.to_csv(study.csv_path, index=False)
   return df
+
+
+def _predict(points) -> None:
+  if not _COST.value:
+    raise ValueError("--predict needs --cost_model (a preset or a fitted JSON)")
+  pred = seed_study.predict_points(
+      _TRACES.value, cli.int_list(_BATCH), cost_model.load(_COST.value), points=points,
+      max_total_tokens=_MAX_TOTAL.value, requests_per_slot=_PER_SLOT.value,
+      min_requests=_MIN_REQ.value, read_records=read_jsonl,
+      seed_cost=cost_model.load("seed-llama8b-h100"))
+  pred.to_csv(os.path.join(_OUT.value, "predicted.csv"), index=False)
+  print(pred.round(3).to_string(index=False))
 
 
 def _report(measured: pd.DataFrame, points) -> None:

@@ -393,6 +393,18 @@ def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_to
   return measured.merge(sims, on=["data", "batch", "point"], how="left")
 
 
+def predict_points(files, batch_sizes, cost, *, points, **kwargs) -> pd.DataFrame:
+  """``simulate_points``' columns for every replayed point of ``points`` at every batch
+  size and file, nothing measured (one row per (data, batch, point)): the prediction a
+  device run is then compared with. ``kwargs``: ``simulate_points``' other arguments."""
+  data = [os.path.basename(f).removeprefix("combined_").removesuffix(".jsonl") for f in files]
+  keys = pd.DataFrame([dict(data=d, batch=int(b), point=p.label) for d in data
+                       for b in batch_sizes for p in points
+                       if p.policy is not None and p.length],
+                      columns=["data", "batch", "point"])
+  return simulate_points(keys, files, cost, points=points, **kwargs)
+
+
 def _gap_closed(table: pd.DataFrame, row) -> float:
   """``summary_table``'s ``gap_closed`` of one row (NaN but for adaptive points)."""
   if not row.point.startswith("adaptive_k"):

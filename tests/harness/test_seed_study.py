@@ -157,3 +157,20 @@ def test_recorded_ngram_drafts_what_the_real_context_proposes():
     method.propose(None, ctx(["c"], [3], [3]))
   with pytest.raises(ValueError, match="holds 5 tokens, its recorded context only 4"):
     method.propose(None, ctx(["b"], [5], [3]))
+
+
+def test_predicted_points_cover_every_replayed_point_and_batch(tmp_path):
+  from specjax import cost_model  # noqa: PLC0415
+  path = str(tmp_path / "combined_gsm8k.jsonl")  # the seed rules need a known data set
+  write_jsonl(path, _records(12))
+  points = seed_study.study_points((1, 3), (8,))
+  pred = seed_study.predict_points(
+      [path], [2, 4], cost_model.load("seed-llama8b-h100"), points=points,
+      max_total_tokens=64, requests_per_slot=2, min_requests=4, read_records=read_jsonl)
+  replayed = [p for p in points if p.policy is not None and p.length]
+  assert len(pred) == 2 * len(replayed)
+  assert set(pred.point) == {p.label for p in replayed} and set(pred.batch) == {2, 4}
+  for p in replayed:
+    tau = pred[pred.point == p.label].sim_specjax_full_tau
+    assert ((tau >= 1) & (tau <= p.length + 1)).all(), (p.label, tau.tolist())
+  assert pred.sim_specjax_full_speedup.notna().all() and pred.sim_seed_speedup.notna().all()
