@@ -138,6 +138,19 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
   return nnx.merge(graphdef, nnx.from_flat_state(new))
 
 
+def varied_model(cfg: ModelConfig | None = None, seed: int = 3, scale: float = 3.0) -> Transformer:
+  """``random_model`` (default: ``tiny_config("llama")``, seed 3) with every attention
+  output projection and the LM head multiplied by ``scale``: sharper logits, so greedy
+  text varies instead of repeating one token (the tiny target of the method tests)."""
+  model = random_model(cfg or tiny_config("llama"), seed=seed)
+  state = nnx.state(model, nnx.Param)
+  for path, var in nnx.to_flat_state(state):
+    if path[-1] in ("o", "lm_head"):
+      var.set_value(var.get_value() * scale)
+  nnx.update(model, state)
+  return model
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "hidden_layers", "layer_range"))
 def _step(graphdef, state, caches, tokens, meta, hidden_layers, layer_range, hidden_states):
   model = nnx.merge(graphdef, state)

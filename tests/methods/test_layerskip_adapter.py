@@ -18,7 +18,7 @@ from methods.layerskip import LayerSkip
 from methods.training.data import regenerate
 from methods.training.trainer import TrainConfig, train
 from models.heads import EarlyExitHead, HeadConfig, load_head, make_head
-from models.testing import random_model, tiny_config
+from models.testing import varied_model
 from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine
 from specjax.request import Request
@@ -34,12 +34,7 @@ EXIT = 1
 
 @pytest.fixture(scope="module")
 def target():
-  model = random_model(tiny_config("llama"), seed=3)
-  state = nnx.state(model, nnx.Param)
-  for path, var in nnx.to_flat_state(state):
-    if path[-1] in ("o", "lm_head"):  # varied greedy text (as test_learned_heads)
-      var.set_value(var.get_value() * 3.0)
-  nnx.update(model, state)
+  model = varied_model()
   return split_model(model)
 
 

@@ -37,7 +37,7 @@ from models.heads import (
     validate_vocab_map,
 )
 from models.layers import rms_norm
-from models.testing import full_forward, random_model, tiny_config
+from models.testing import full_forward, varied_model
 from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine
 from specjax.request import Request
@@ -57,12 +57,7 @@ KINDS = tuple(LAYERS)
 @pytest.fixture(scope="module")
 def target():
   """Tiny Llama with attention output and LM head scaled up (varied greedy text)."""
-  model = random_model(tiny_config("llama"), seed=3)
-  state = nnx.state(model, nnx.Param)
-  for path, var in nnx.to_flat_state(state):
-    if path[-1] in ("o", "lm_head"):
-      var.set_value(var.get_value() * 3.0)
-  nnx.update(model, state)
+  model = varied_model()
   return split_model(model)
 
 

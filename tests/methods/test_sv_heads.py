@@ -3,11 +3,10 @@ sees the prefill's hidden states (SV's state wraps it), greedy output stays AR's
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from methods import sv
 from methods.registry import make_method
-from models.testing import random_model, tiny_config
+from models.testing import varied_model
 from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine
 from specjax.request import Request
@@ -31,12 +30,7 @@ def test_observe_prefill_reaches_the_drafters_state(monkeypatch):
 
 @pytest.mark.slow  # ~60 s of compiles on the 2-core CI host
 def test_sv_eagle3_greedy_equals_ar():
-  model = random_model(tiny_config("llama"), seed=3)
-  state = nnx.state(model, nnx.Param)
-  for path, var in nnx.to_flat_state(state):
-    if path[-1] in ("o", "lm_head"):
-      var.set_value(var.get_value() * 3.0)
-  nnx.update(model, state)
+  model = varied_model()
   target = split_model(model)
   rng = np.random.default_rng(12)
   requests = [Request(f"r{i}", tuple(int(t) for t in rng.integers(0, VOCAB, size=3 + 2 * i)),

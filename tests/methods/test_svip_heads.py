@@ -3,10 +3,9 @@ the head's draft count on the device, greedy output stays the AR output."""
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from methods.registry import make_method
-from models.testing import random_model, tiny_config
+from models.testing import varied_model
 from specjax.config import EngineConfig, SamplingParams
 from specjax.engine import Engine
 from specjax.request import Request
@@ -20,12 +19,7 @@ OPTIONS = {"feature_layers": [1, 2, 2], "window": MAX_LEN}
 
 @pytest.fixture(scope="module")
 def target():
-  model = random_model(tiny_config("llama"), seed=3)
-  state = nnx.state(model, nnx.Param)
-  for path, var in nnx.to_flat_state(state):
-    if path[-1] in ("o", "lm_head"):
-      var.set_value(var.get_value() * 3.0)
-  nnx.update(model, state)
+  model = varied_model()
   return split_model(model)
 
 

@@ -29,7 +29,7 @@ from methods.eagle3 import Eagle3
 from methods.registry import make_method
 from models.head_trees import medusa_tree, select_top_nodes
 from models.heads import HeadConfig, make_head, restrict_draft_vocab
-from models.testing import full_forward, random_model, tiny_config
+from models.testing import full_forward, varied_model
 from specjax.engine import Engine
 from specjax.steps import split_model
 
@@ -42,12 +42,7 @@ TREE = dict(tree_nodes=8, tree_branching=2)
 @pytest.fixture(scope="module")
 def target():
   """The tiny target of ``test_learned_heads`` (attention output and LM head x3)."""
-  model = random_model(tiny_config("llama"), seed=3)
-  state = nnx.state(model, nnx.Param)
-  for path, var in nnx.to_flat_state(state):
-    if path[-1] in ("o", "lm_head"):
-      var.set_value(var.get_value() * 3.0)
-  nnx.update(model, state)
+  model = varied_model()
   return split_model(model)
 
 
