@@ -45,6 +45,9 @@ _MIN_REQ = flags.DEFINE_integer("min_requests", 4, "Fewest requests per batch si
 _MAX_TOTAL = flags.DEFINE_integer("max_total_tokens", 2048, "Only records whose prompt + "
                                   "output fits (the KV pool holds batch x this).",
                                   lower_bound=2)
+_OCC = flags.DEFINE_float("min_occupancy", 1.0, "Measure (and simulate) the decode steps "
+                          "with at least this share of the batch's slots busy (1: full "
+                          "batches only).")
 _IMPL = flags.DEFINE_list("attention_implementation", ["reference"], "Paged attention impl(s).")
 _PRECISION = flags.DEFINE_string("matmul_precision", None, "jax.default_matmul_precision "
                                  "around the measurement (unset: JAX's default).")
@@ -100,7 +103,7 @@ def _measure(points) -> pd.DataFrame:
       max_total_tokens=_MAX_TOTAL.value, repeats=_REPEATS.value,
       attention_implementation=impl[0] if len(impl) == 1 else impl,
       drafter_options=cli.key_value_options(_DRAFTER_OPTION.value, "drafter_option"),
-      csv_path=os.path.join(_OUT.value, "seed_study.csv"))
+      csv_path=os.path.join(_OUT.value, "seed_study.csv"), min_occupancy=_OCC.value)
   precision = (jax.default_matmul_precision(_PRECISION.value) if _PRECISION.value
                else contextlib.nullcontext())
   with precision:
@@ -118,7 +121,7 @@ def _predict(points) -> None:
       _TRACES.value, cli.int_list(_BATCH), cost_model.load(_COST.value), points=points,
       max_total_tokens=_MAX_TOTAL.value, requests_per_slot=_PER_SLOT.value,
       min_requests=_MIN_REQ.value, read_records=read_jsonl,
-      seed_cost=cost_model.load("seed-llama8b-h100"))
+      seed_cost=cost_model.load("seed-llama8b-h100"), min_occupancy=_OCC.value)
   pred.to_csv(os.path.join(_OUT.value, "predicted.csv"), index=False)
   print(pred.round(3).to_string(index=False))
 
@@ -130,7 +133,7 @@ def _report(measured: pd.DataFrame, points) -> None:
       measured, _TRACES.value, cost_model.load(_COST.value), points=points,
       max_total_tokens=_MAX_TOTAL.value, requests_per_slot=_PER_SLOT.value,
       min_requests=_MIN_REQ.value, read_records=read_jsonl,
-      seed_cost=cost_model.load("seed-llama8b-h100"))
+      seed_cost=cost_model.load("seed-llama8b-h100"), min_occupancy=_OCC.value)
   both.to_csv(os.path.join(_OUT.value, "seed_study_vs_sim.csv"), index=False)
   table = seed_study.summary_table(both)
   table.to_csv(os.path.join(_OUT.value, "seed_study_table.csv"), index=False)

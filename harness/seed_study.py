@@ -34,7 +34,9 @@ each over the file's first ``num_requests(B)`` records whose prompt + output fit
                          and the combination (``gap_closed`` in ``summary_table``).
 
 Measured per point over the steady (non-compiling) engine steps whose batch was full
-(every slot busy; B = 1: every step): ``tau`` = committed tokens per row-step,
+(every slot busy; B = 1: every step; with ``min_occupancy`` < 1, at least that share of
+the slots: at batch 64 and up the fused points have few full steps, since a finished
+row's slot is refilled a step or two later): ``tau`` = committed tokens per row-step,
 ``step_ms`` its mean step (on the host path ``draft_ms`` + ``verify_ms`` + ``host_ms``:
 the host-called proposer, the device call with its read, and the rest (commit,
 ``observe``, batch building); a fused step has no ``draft_ms``, and its ``verify_ms``,
@@ -57,6 +59,7 @@ a given cost model.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 
@@ -148,8 +151,11 @@ class StudyConfig:
   """``measure_study``'s inputs: trace ``files``, ``batch_sizes``, the ``points``, the
   requests per slot and the most prompt + output tokens of a request, measured
   ``repeats``, the target ``split`` (``specjax.steps.split_model``) and its ``cfg``,
-  ``attention_implementation``, ``drafter_options`` (e.g. the EAGLE-3 head's) and
-  where to append rows as they come (``csv_path``, or None)."""
+  ``attention_implementation``, ``drafter_options`` (e.g. the EAGLE-3 head's),
+  where to append rows as they come (``csv_path``, or None) and ``min_occupancy``: the
+  measured steps are those with at least ``ceil(min_occupancy * B)`` rows (1.0: full
+  batches only; every decode step is padded to B, so its cost is a full batch's).
+  """
 
   files: tuple
   batch_sizes: tuple
@@ -161,6 +167,11 @@ class StudyConfig:
   attention_implementation: object = "reference"
   drafter_options: dict = dataclasses.field(default_factory=dict)
   csv_path: str | None = None
+  min_occupancy: float = 1.0
+
+  def __post_init__(self):
+    if not 0 < self.min_occupancy <= 1:
+      raise ValueError(f"min_occupancy={self.min_occupancy} must be in (0, 1]")
 
 
 def engine_groups(points) -> list[list[Point]]:
@@ -238,7 +249,8 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
           t0 = time.perf_counter()
           _, met = engine.generate(reqs)
           wall = time.perf_counter() - t0
-          full = [s for s in met.steady_steps() if s.num_rows == batch]
+          full = [s for s in met.steady_steps()
+                  if s.num_rows >= math.ceil(cfg.min_occupancy * batch)]
           step_ms = 1e3 * float(np.mean([s.step_s for s in full])) if full else float("nan")
           parts = {f"{part}_ms": 1e3 * float(np.mean([getattr(s, f"{part}_s") for s in full]))
                    if full else float("nan") for part in ("draft", "verify", "host")}
@@ -255,7 +267,8 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
               num_requests=len(reqs),
               mean_prompt=float(np.mean([len(r.prompt_token_ids) for r in reqs])),
               mean_output=float(np.mean([r.sampling.max_tokens for r in reqs])),
-              full_steps=len(full), steps=len(met.steps), tau=tau, step_ms=step_ms,
+              full_steps=len(full), min_occupancy=cfg.min_occupancy, steps=len(met.steps),
+              tau=tau, step_ms=step_ms,
               **parts, c=c, speedup=tau / c,
               verify_share=zero_ms.get((data, p.length, rep), float("nan")) / step_ms
               if p.length and p.drafter not in HOST_PATH else float("nan"),
@@ -342,12 +355,13 @@ def verify_skip_method(k: int, batch: int, ar_ms: dict, zero_ms: dict):
 
 def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_tokens: int,
                     requests_per_slot: int, min_requests: int, read_records,
-                    seed_cost=None) -> pd.DataFrame:
+                    seed_cost=None, min_occupancy: float = 1.0) -> pd.DataFrame:
   """``measured`` (``measure_study``'s rows) with the simulators' numbers beside each
   (file, batch, point): ``sim_specjax_tau`` / ``sim_specjax_speedup`` (the same requests,
   continuous batching, ``cost``; end to end, the tail's partial batches and the prefills
   included), ``sim_specjax_full_tau`` / ``sim_specjax_full_speedup`` (the same run over
-  its full-batch decode steps only, as the measured columns are; both charge a point that
+  its full-batch decode steps only (``min_occupancy``: as ``StudyConfig``'s), as the
+  measured columns are; both charge a point that
   drafts with the zero-cost constant drafter no draft cost), ``sim_seed_speedup`` (the seed's semantics under
   ``cost``) and, with ``seed_cost``, ``sim_seed_h100_speedup`` (the seed's semantics
   under the seed's own cost model: what the seed's simulator prints). The
@@ -376,7 +390,8 @@ def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_to
           # A point drafting with the zero-cost constant drafter is simulated drafting free.
           point_cost = engine_cost if p.drafter != "constant" else dataclasses.replace(
               engine_cost, drafts={**engine_cost.drafts, **{m: DraftCost() for m in methods}})
-          sim = simulate(records[:n], point_cost, pol, int(batch), batching="continuous")
+          sim = simulate(records[:n], point_cost, pol, int(batch), batching="continuous",
+                         min_occupancy=min_occupancy)
           row.update(sim_specjax_tau=sim["tau"], sim_specjax_speedup=sim["speedup"],
                      sim_specjax_full_tau=sim["full_tau"],
                      sim_specjax_full_speedup=sim["full_speedup"])

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 import numpy as np
 
@@ -236,7 +237,11 @@ def _prefill(rows, arrays, cost: CostModel, kv_running: int, res: SimResult) -> 
   res.prefill_s += t
 
 
-def _run(policy, arrays, order, cost, batch_size, weight, include_prefill) -> SimResult:
+def _run(policy, arrays, order, cost, batch_size, weight, include_prefill,
+         full_rows=None) -> SimResult:
+  """``full_rows``: the fewest running rows of a step counted as full (default
+  ``batch_size``)."""
+  full_rows = batch_size if full_rows is None else full_rows
   res = SimResult()
   start = 1 if cost.prefill_emits_token else 0
   queue = collections.deque(order)
@@ -254,13 +259,14 @@ def _run(policy, arrays, order, cost, batch_size, weight, include_prefill) -> Si
       running.extend(r for r in new if arrays[r.index][0] > start)
     if not running:
       continue
-    _step(policy, running, arrays, cost, res, full=len(running) == batch_size)
+    _step(policy, running, arrays, cost, res, full=len(running) >= full_rows)
     running = [r for r in running if r.pos < arrays[r.index][0]]
   return res
 
 
 def simulate(records, cost: CostModel, policy: Policy, batch_size: int, *,
-             batching: str = "continuous", include_prefill: bool = True) -> dict:
+             batching: str = "continuous", include_prefill: bool = True,
+             min_occupancy: float = 1.0) -> dict:
   """Simulates ``policy`` and AR over ``records`` at ``batch_size``; returns one row.
 
   Returns:
@@ -270,15 +276,20 @@ def simulate(records, cost: CostModel, policy: Policy, batch_size: int, *,
     wasted_verify_share = 1 - committed / verified tokens (unpadded); full_tau and
     full_speedup: the same over only the decode steps whose batch was full (every slot
     busy; SD committed tokens per second over AR's), what ``harness.seed_study`` and the
-    engine measure (NaN if no step was full).
+    engine measure (NaN if no step was full). With ``min_occupancy`` < 1 a step counts
+    as full when at least ``ceil(min_occupancy * batch_size)`` rows run (continuous
+    batching).
 
   Raises:
-    ValueError: bad batch size or batching, or a trace without a method of the policy.
+    ValueError: bad batch size, batching or ``min_occupancy`` (0 < it <= 1), or a trace
+      without a method of the policy.
   """
   if batch_size < 1:
     raise ValueError(f"{batch_size=} must be >= 1")
   if batching not in ("continuous", "copies"):
     raise ValueError(f"{batching=} must be 'continuous' or 'copies'")
+  if not 0 < min_occupancy <= 1:
+    raise ValueError(f"{min_occupancy=} must be in (0, 1]")
   if not records:
     raise ValueError("records must not be empty")
   arrays = [a for a in _trace_arrays(records, policy.methods) if a[0] > 0]  # output only
@@ -288,8 +299,9 @@ def simulate(records, cost: CostModel, policy: Policy, batch_size: int, *,
   sd, ar = SimResult(), SimResult()
   if batching == "continuous":
     order = list(range(len(arrays)))
-    sd = _run(policy, arrays, order, cost, batch_size, 1, include_prefill)
-    ar = _run(ar_policy, arrays, order, cost, batch_size, 1, include_prefill)
+    full_rows = math.ceil(min_occupancy * batch_size)
+    sd = _run(policy, arrays, order, cost, batch_size, 1, include_prefill, full_rows)
+    ar = _run(ar_policy, arrays, order, cost, batch_size, 1, include_prefill, full_rows)
     speedup = ar.time_s / sd.time_s
   else:
     sd_tpt, ar_tpt = [], []

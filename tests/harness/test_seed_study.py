@@ -174,3 +174,8 @@ def test_predicted_points_cover_every_replayed_point_and_batch(tmp_path):
     tau = pred[pred.point == p.label].sim_specjax_full_tau
     assert ((tau >= 1) & (tau <= p.length + 1)).all(), (p.label, tau.tolist())
   assert pred.sim_specjax_full_speedup.notna().all() and pred.sim_seed_speedup.notna().all()
+
+
+def test_min_occupancy_outside_its_range_is_an_error():
+  with pytest.raises(ValueError, match=r"min_occupancy=1.5 must be in \(0, 1\]"):
+    seed_study.StudyConfig(files=(), batch_sizes=(), points=(), min_occupancy=1.5)

@@ -107,6 +107,13 @@ def test_batch_two_continuous_and_copies():
   # (tau 5 / 2); AR steps 1 and 2 commit 4 in 24 ms: speedup (5 / 17) / (4 / 24).
   assert r["full_tau"] == 2.5
   assert r["full_speedup"] == pytest.approx((5 / 17) / (4 / 24))
+  # min_occupancy 0.5 (at least one of two rows): every step counts, as end to end
+  # without the prefills.
+  half = sim([A, B], Policy(kind="fixed", methods=("a",), k=2), batch=2, min_occupancy=0.5)
+  assert half["full_tau"] == 2.0
+  assert half["full_speedup"] == pytest.approx(68 / 46)
+  with pytest.raises(ValueError, match="min_occupancy=0 must be in"):
+    sim([A, B], Policy(kind="fixed", methods=("a",), k=2), batch=2, min_occupancy=0)
   # Copies (the seed's batching), batch 2, request A: AR 6 steps of 10 + 2 = 72 ms;
   # SD steps q = 2*3, 2*3, 2*2: 16 + 2, 16 + 2, 14 + 2 = 52 ms; speedup 72/52.
   r = sim([A], Policy(kind="fixed", methods=("a",), k=2), batch=2, batching="copies")
