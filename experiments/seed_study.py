@@ -114,14 +114,19 @@ def _measure(points) -> pd.DataFrame:
   return df
 
 
+def _simulator_options() -> dict:
+  """``seed_study.simulate_points``' options from the flags."""
+  return dict(max_total_tokens=_MAX_TOTAL.value, requests_per_slot=_PER_SLOT.value,
+              min_requests=_MIN_REQ.value, read_records=read_jsonl,
+              seed_cost=cost_model.load("seed-llama8b-h100"), min_occupancy=_OCC.value)
+
+
 def _predict(points) -> None:
   if not _COST.value:
     raise ValueError("--predict needs --cost_model (a preset or a fitted JSON)")
   pred = seed_study.predict_points(
       _TRACES.value, cli.int_list(_BATCH), cost_model.load(_COST.value), points=points,
-      max_total_tokens=_MAX_TOTAL.value, requests_per_slot=_PER_SLOT.value,
-      min_requests=_MIN_REQ.value, read_records=read_jsonl,
-      seed_cost=cost_model.load("seed-llama8b-h100"), min_occupancy=_OCC.value)
+      **_simulator_options())
   pred.to_csv(os.path.join(_OUT.value, "predicted.csv"), index=False)
   print(pred.round(3).to_string(index=False))
 
@@ -131,9 +136,7 @@ def _report(measured: pd.DataFrame, points) -> None:
 
   both = seed_study.simulate_points(
       measured, _TRACES.value, cost_model.load(_COST.value), points=points,
-      max_total_tokens=_MAX_TOTAL.value, requests_per_slot=_PER_SLOT.value,
-      min_requests=_MIN_REQ.value, read_records=read_jsonl,
-      seed_cost=cost_model.load("seed-llama8b-h100"), min_occupancy=_OCC.value)
+      **_simulator_options())
   both.to_csv(os.path.join(_OUT.value, "seed_study_vs_sim.csv"), index=False)
   table = seed_study.summary_table(both)
   table.to_csv(os.path.join(_OUT.value, "seed_study_table.csv"), index=False)

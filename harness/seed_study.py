@@ -59,7 +59,6 @@ a given cost model.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 
@@ -67,6 +66,7 @@ import jax
 import numpy as np
 import pandas as pd
 
+from harness.simulator import full_rows
 from harness.traces import MethodTrace, replay_requests
 
 __all__ = ["EAGLE", "NGRAM", "Point", "StudyConfig", "combined_records", "draft_cost_points",
@@ -250,7 +250,7 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
           _, met = engine.generate(reqs)
           wall = time.perf_counter() - t0
           full = [s for s in met.steady_steps()
-                  if s.num_rows >= math.ceil(cfg.min_occupancy * batch)]
+                  if s.num_rows >= full_rows(cfg.min_occupancy, batch)]
           step_ms = 1e3 * float(np.mean([s.step_s for s in full])) if full else float("nan")
           parts = {f"{part}_ms": 1e3 * float(np.mean([getattr(s, f"{part}_s") for s in full]))
                    if full else float("nan") for part in ("draft", "verify", "host")}

@@ -237,11 +237,17 @@ def _prefill(rows, arrays, cost: CostModel, kv_running: int, res: SimResult) -> 
   res.prefill_s += t
 
 
+def full_rows(min_occupancy: float, batch_size: int) -> int:
+  """The fewest running rows of a step counted as a full batch: ``ceil(min_occupancy *
+  batch_size)`` (``min_occupancy`` in (0, 1]; 1: every slot busy)."""
+  return math.ceil(min_occupancy * batch_size)
+
+
 def _run(policy, arrays, order, cost, batch_size, weight, include_prefill,
-         full_rows=None) -> SimResult:
-  """``full_rows``: the fewest running rows of a step counted as full (default
+         min_rows=None) -> SimResult:
+  """``min_rows``: the fewest running rows of a step counted as full (default
   ``batch_size``)."""
-  full_rows = batch_size if full_rows is None else full_rows
+  min_rows = batch_size if min_rows is None else min_rows
   res = SimResult()
   start = 1 if cost.prefill_emits_token else 0
   queue = collections.deque(order)
@@ -259,7 +265,7 @@ def _run(policy, arrays, order, cost, batch_size, weight, include_prefill,
       running.extend(r for r in new if arrays[r.index][0] > start)
     if not running:
       continue
-    _step(policy, running, arrays, cost, res, full=len(running) >= full_rows)
+    _step(policy, running, arrays, cost, res, full=len(running) >= min_rows)
     running = [r for r in running if r.pos < arrays[r.index][0]]
   return res
 
@@ -299,9 +305,9 @@ def simulate(records, cost: CostModel, policy: Policy, batch_size: int, *,
   sd, ar = SimResult(), SimResult()
   if batching == "continuous":
     order = list(range(len(arrays)))
-    full_rows = math.ceil(min_occupancy * batch_size)
-    sd = _run(policy, arrays, order, cost, batch_size, 1, include_prefill, full_rows)
-    ar = _run(ar_policy, arrays, order, cost, batch_size, 1, include_prefill, full_rows)
+    rows = full_rows(min_occupancy, batch_size)
+    sd = _run(policy, arrays, order, cost, batch_size, 1, include_prefill, rows)
+    ar = _run(ar_policy, arrays, order, cost, batch_size, 1, include_prefill, rows)
     speedup = ar.time_s / sd.time_s
   else:
     sd_tpt, ar_tpt = [], []
