@@ -12,7 +12,8 @@ a padding row is ``[-1, -1, -1, -1, -1, 0, -1, -1]``:
 
   ``[0, W)``      page_indices (-1 padded)
   ``W + 0``       slot of the row in the ``SlotState`` (-1: padding row)
-  ``W + 1``       number of host drafts
+  ``W + 1``       number of host drafts; in a fused proposer's step with verify caps
+                  (``StepPlan.verify_caps``), the most drafts the row may verify
   ``W + 2 ..``    L host draft tokens (-1 padded)
   ``W + 2 + L``   only with ``replay_source``: the row's replayed-acceptance source
 
@@ -54,7 +55,8 @@ class StepBatch:
 
 
 def build_batch(*, batch: int, width: int, length: int, page_tables: list[list[int]],
-                slots, num_draft=None, drafts=None, replay_source=None) -> StepBatch:
+                slots, num_draft=None, drafts=None, replay_source=None,
+                verify_caps=None) -> StepBatch:
   """Packs ``len(page_tables)`` real rows into a ``StepBatch`` of ``batch`` rows.
 
   Args:
@@ -64,9 +66,12 @@ def build_batch(*, batch: int, width: int, length: int, page_tables: list[list[i
       no host drafts).
     replay_source: None (no column), or per row the source of its replayed acceptance
       (``EngineConfig.replay_sources``; padding rows 0).
+    verify_caps: None, or per row the most drafts a fused proposer's step may verify
+      (``specjax.method.VerifyPlan.caps``; padding rows 0); not with ``num_draft``.
 
   Raises:
-    ValueError: a row has more pages than ``width`` or more drafts than ``length``.
+    ValueError: a row has more pages than ``width`` or more drafts than ``length``, a
+      negative verify cap, or both ``num_draft`` and ``verify_caps``.
   """
   rows = len(page_tables)
   if rows > batch:
@@ -87,6 +92,12 @@ def build_batch(*, batch: int, width: int, length: int, page_tables: list[list[i
     if rows and nd.max(initial=0) > length:
       raise ValueError(f"num_draft={nd.tolist()} must be <= the step's draft width {length}")
     ints[:rows, width + 1] = nd
+  if verify_caps is not None:
+    caps = np.asarray(verify_caps, np.int32)
+    if num_draft is not None or caps.shape != (rows,) or (caps < 0).any():
+      raise ValueError(f"verify_caps={caps.tolist()} must hold one cap >= 0 per row ({rows} "
+                       "rows), without num_draft")
+    ints[:rows, width + 1] = caps
   if drafts is not None:
     ints[:rows, width + _FIXED: width + _FIXED + length] = drafts
   return StepBatch(ints, width, length)

@@ -7,7 +7,9 @@ pending), asks the method for drafts, and makes ONE device call
 row, verification / sampling and the tree-path KV fix-ups. The host gets one small
 ``i32[B, L+2]`` result and commits tokens one by one with the stop rules
 (``specjax.commit``). L is the bucket of the longest draft proposed in the step, not k
-(ragged speculation). Plain decoding steps run asynchronously: step n+1 is dispatched
+(ragged speculation); a fused proposer's steps verify at k, or, for a method that plans
+its verify caps (``Capabilities.plans_verify``, e.g. ``verify_skip``), at the bucket of
+the largest cap it chose for the dispatch from the results read so far. Plain decoding steps run asynchronously: step n+1 is dispatched
 (its pending tokens taken on the device from step n's output) before the host reads
 step n, as vLLM's async scheduling does; a row that step n finishes has its step n+1
 output discarded. Offline (all arrivals at 0) and online (Poisson arrival times) runs
@@ -34,7 +36,14 @@ from specjax.batch import bucket, build_batch
 from specjax.commit import commit_rows
 from specjax.config import AUTO_VERIFY_IMPLEMENTATION, EngineConfig
 from specjax.kv_cache import page_table, pages_needed
-from specjax.method import Method, PrefillResult, ProposeContext, RuntimeInfo, VerifyResult
+from specjax.method import (
+    Method,
+    PrefillResult,
+    ProposeContext,
+    ReadResult,
+    RuntimeInfo,
+    VerifyResult,
+)
 from specjax.metrics import CompileMonitor, RunMetrics, StepRecord
 from specjax.request import (
     Request,
@@ -110,6 +119,9 @@ class Engine:
       raise ValueError(f"method {method.name!r}: Capabilities.runs_on={self.caps.runs_on!r} "
                        "must be 'host', 'device' or 'fused'")
     self.fused = self.caps.runs_on == "fused"
+    if self.caps.plans_verify and not self.fused:
+      raise ValueError(f"method {method.name!r}: Capabilities.plans_verify needs runs_on='fused', "
+                       f"not {self.caps.runs_on!r}")
     CompileMonitor.install()
     self.kv_caches = sharding.init_kv_pool(self.target, config.total_pages, config.page_size,
                                            self.mesh)
@@ -346,6 +358,8 @@ class Engine:
     if self.mesh is not None:  # a draft's KV pool, a head's weights: onto the mesh
       method_state = sharding.place_state(method_state, self.mesh, self.target.config,
                                           sharded=cfg.draft_sharding == "sharded")
+    # A fused method's host state (Capabilities.plans_verify: plan_verify / observe_read).
+    self._method_state = method_state
     self._released: list[tuple[int, int]] = []
     if self.fused:
       self._pparams, self._pstate = self._commit(self.method.init_device(self.runtime))
@@ -406,7 +420,7 @@ class Engine:
     * decode / verify steps: each batch bucket up to ``max_num_seqs`` x each page-table
       bucket up to the longest request's prompt + ``max_tokens`` x the step lengths the
       method uses (fused methods and plain decoding: one; host drafters: 0 and every
-      bucket up to k) x the sampler of the requests taken together (a step of a subset
+      bucket up to k; fused methods that plan their verify caps: every bucket up to k) x the sampler of the requests taken together (a step of a subset
       of mixed greedy / sampled requests can need another). Methods whose steps take
       device drafts or draft probabilities from a host-called proposer (learned heads,
       the host-called draft model, trees) are skipped: their shapes depend on the drafts.
@@ -473,6 +487,7 @@ class Engine:
             iterations=1) -> StepPlan:
     return StepPlan(
         length=length, k=self.k, sampler=sampler, tree=tree, host_drafts=host,
+        verify_caps=self.caps.plans_verify and not host,
         num_iterations=iterations, fused_implementation=tuple(fused_impl),
         attention_implementation=self.config.attention_implementation,
         hidden_layers=self.caps.target_hidden_layers if host else (),
@@ -552,6 +567,10 @@ class Engine:
       assert not sched.reserve_step(extra), "pages_short said the step fits"
     self._assign_slots(rows)
     t0 = time.perf_counter()
+    caps = info = None
+    if self.caps.plans_verify:  # pages stay reserved for k (an upper bound)
+      caps, info = self._verify_plan(rows)
+      length = bucket(max(1, int(caps.max(initial=0))), self.k)
     batch = cfg.decode_batch(len(rows))
     ends = [len(st.tokens) + extra[st.request.request_id] for st in rows]
     width = self._pages_bucket(ends)
@@ -560,17 +579,33 @@ class Engine:
     sb = build_batch(batch=batch, width=width, length=0,
                      page_tables=[st.pages[: pages_needed(n, cfg.page_size)]
                                   for st, n in zip(rows, ends)],
-                     slots=[st.slot for st in rows])
+                     slots=[st.slot for st in rows], verify_caps=caps)
     plan = self._plan(sampler, fused, length, tree=tree, host=False, iterations=iterations)
     results, _ = self._dispatch(plan, sb)
     for st in rows:
       st.inflight_tokens += advance
     self._inflight.append({"rows": rows, "results": results, "batch": batch, "width": width,
                            "length": length, "advance": advance, "tree": tree,
+                           "caps": caps, "plan_info": info,
                            "dispatch_s": time.perf_counter() - t0})
     depth = 1 if self.runs_ahead else 0
     while len(self._inflight) > depth:
       self._read_oldest(sched, metrics, start)
+
+  def _verify_plan(self, rows: list[RequestState]) -> tuple[np.ndarray, object]:
+    """``(caps i32[rows], info)`` of the method's ``plan_verify`` for a fused dispatch.
+
+    Raises:
+      ValueError: caps of the wrong shape or outside ``[0, k]``.
+    """
+    ids = [st.request.request_id for st in rows]
+    budgets = np.asarray([self._budget(st) for st in rows], np.int32)
+    self._method_state, vplan = self.method.plan_verify(self._method_state, ids, budgets)
+    caps = np.asarray(vplan.caps)
+    if caps.shape != (len(rows),) or (caps < 0).any() or (caps > self.k).any():
+      raise ValueError(f"method {self.method.name!r}: VerifyPlan.caps={caps.tolist()} must "
+                       f"hold one cap in [0, {self.k}] per row ({len(rows)} rows)")
+    return caps.astype(np.int32), vplan.info
 
   def _drain(self, sched, metrics, start) -> None:
     """Reads and commits every call in flight."""
@@ -591,11 +626,15 @@ class Engine:
       skip = [st.finish_reason is not None or result[i, -1] < 0 for i, st in enumerate(rows)]
       num_draft = result[: len(rows), -2]
       reach = result[: len(rows), -3] if call["tree"] else None
+      # The budgets this iteration had on the device (the earlier ones are committed).
+      budgets = [self._budget(st) for st in rows] if call["caps"] is not None else None
       res = commit_rows(rows, result, num_draft, k=self.k, eos_ids=self.eos_ids,
                         max_model_len=self.config.max_model_len, decode=self.decode,
                         now=now, reach=reach, skip=skip)
       for st in res.finished:
         self._release(sched, st)
+      if budgets is not None:
+        self._observe_read(call, result, rows, skip, budgets, res.finished)
       committed = [st for st, s in zip(rows, skip) if not s]
       if committed:  # else every row ended before: its time joins the next step's
         commits.append((committed, np.asarray([d for d, s in zip(num_draft, skip) if not s]),
@@ -613,6 +652,19 @@ class Engine:
       self._record(metrics, committed, call["batch"], call["length"], call["width"], num_draft,
                    res, (t_start + i * per_step, 0.0, call["dispatch_s"] / len(results),
                          t_start + (i + 1) * per_step), compiled=compiled)
+
+  def _observe_read(self, call, result, rows, skip, budgets, finished) -> None:
+    """Hands one read iteration of a ``plans_verify`` dispatch to ``Method.observe_read``
+    (the rows it committed)."""
+    live = [i for i, s in enumerate(skip) if not s]
+    if not live:
+      return
+    self._method_state = self.method.observe_read(self._method_state, ReadResult(
+        request_ids=[rows[i].request.request_id for i in live],
+        num_accepted=result[live, -1].copy(), num_verified=result[live, -2].copy(),
+        budgets=np.asarray([budgets[i] for i in live], np.int32),
+        caps=call["caps"][live], plan_info=call["plan_info"],
+        finished=frozenset(st.request.request_id for st in finished)))
 
   def _validate_draft(self, draft, rows: int, budgets: np.ndarray) -> np.ndarray:
     """Checks a method's ``Draft`` and returns the verified counts ``i32[rows]``

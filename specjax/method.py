@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 __all__ = ["Capabilities", "DeviceDraft", "DeviceRows", "Draft", "InnerMethodOption", "Method",
-           "PrefillResult", "ProposeContext", "RuntimeInfo", "VerifyResult"]
+           "PrefillResult", "ProposeContext", "ReadResult", "RuntimeInfo", "VerifyPlan",
+           "VerifyResult"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,11 @@ class Capabilities:
       (donated: the engine drops its reference) and must hand it back, updated, as
       ``Draft.kv_caches``. It may write only positions the verify step then overwrites
       (``[len(tokens) - 1, len(tokens) - 1 + num_tokens)`` of each row; LayerSkip).
+    plans_verify: a "fused" method whose host side caps the drafts each row may verify
+      in every dispatch (``Method.plan_verify``) from the results the engine has read so
+      far (``Method.observe_read``); the engine verifies at the bucket of the largest
+      cap instead of k. Iterations still run asynchronously, so a dispatch's caps are
+      decided from the calls before the one in flight.
   """
 
   runs_on: str = "host"
@@ -48,6 +54,7 @@ class Capabilities:
   tree: bool = False
   needs_draft_model: bool = False
   drafts_in_target_kv: bool = False
+  plans_verify: bool = False
 
 
 @dataclasses.dataclass
@@ -153,6 +160,49 @@ class VerifyResult:
   finished: frozenset
   target_hidden: tuple = ()
   replay_acceptance: np.ndarray | None = None
+
+
+@dataclasses.dataclass
+class VerifyPlan:
+  """A ``plans_verify`` method's choice for one fused dispatch (host numpy).
+
+  Attributes:
+    caps: ``i32[rows]`` the most drafts each row may verify in every iteration of the
+      dispatch, in ``[0, k]`` (the proposer sees ``min(budget, cap)`` as
+      ``DeviceRows.budgets``); the step's verify length is the engine bucket (1, 2, 4,
+      .., k) of the largest cap (at least 1).
+    info: anything the method wants back with each read of this dispatch
+      (``ReadResult.plan_info``), e.g. the stale decision the caps came from.
+  """
+
+  caps: np.ndarray
+  info: Any = None
+
+
+@dataclasses.dataclass
+class ReadResult:
+  """One iteration of a fused dispatch as the host reads it, for a ``plans_verify``
+  method (``Method.observe_read``); rows that ended before (or were padding) are left
+  out.
+
+  Attributes:
+    request_ids: one per committed row.
+    num_accepted: ``i32[rows]`` leading accepted drafts.
+    num_verified: ``i32[rows]`` drafts verified (``min(drafted, budget, cap)``).
+    budgets: ``i32[rows]`` each row's budget in this iteration (``min(k, room before
+      max_model_len, max_tokens - outputs - 1)``, before the cap).
+    caps: ``i32[rows]`` the dispatch's ``VerifyPlan.caps`` of these rows.
+    plan_info: the dispatch's ``VerifyPlan.info``.
+    finished: request ids that ended in this iteration.
+  """
+
+  request_ids: list
+  num_accepted: np.ndarray
+  num_verified: np.ndarray
+  budgets: np.ndarray
+  caps: np.ndarray
+  plan_info: Any
+  finished: frozenset
 
 
 @dataclasses.dataclass
@@ -347,6 +397,24 @@ class Method(abc.ABC):
     """Called when ``generate`` (or ``precompile``) ends, with the fused state; e.g. to
     keep a cache for the next call in ``runtime.method_cache``. Default: nothing."""
     del runtime, params, state
+
+  def plan_verify(self, state: Any, request_ids: list,
+                  budgets: np.ndarray) -> tuple[Any, VerifyPlan]:
+    """A ``plans_verify`` method's caps for the next fused dispatch, from the host:
+    ``request_ids`` its rows, ``budgets i32[rows]`` their budgets as the host knows them
+    (tokens of the calls still in flight not counted: an upper bound). Returns the new
+    (host) state and the ``VerifyPlan``.
+
+    Raises:
+      NotImplementedError: the method does not plan its verify caps.
+    """
+    raise NotImplementedError(f"method {self.name!r} does not plan fused verify caps")
+
+  def observe_read(self, state: Any, result: ReadResult) -> Any:
+    """Sees each iteration of a fused dispatch once the host has read it (a
+    ``plans_verify`` method only; calls in order). Returns the new host state; default:
+    unchanged."""
+    return state
 
   def describe(self) -> dict:
     """Flat dict of the config, recorded in result rows."""

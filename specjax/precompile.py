@@ -89,7 +89,9 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
   batches = sorted({cfg.decode_batch(n) for n in range(1, cfg.max_num_seqs + 1)})
   widths = sorted({engine._pages_bucket([n]) for n in range(1, most + cfg.page_size,
                                                             cfg.page_size)})
-  if engine.k == 0 or engine.fused:
+  if engine.caps.plans_verify:  # a fused step at the bucket of its largest verify cap
+    plans = [(n, False) for n in sorted({bucket(i, engine.k) for i in range(1, engine.k + 1)})]
+  elif engine.k == 0 or engine.fused:
     plans = [(engine.k, False)]
   else:
     plans = [(0, True)] + [(n, True) for n in sorted({bucket(i, engine.k)
@@ -121,7 +123,8 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
                               iterations=1 if host else cfg.steps_per_dispatch)
           sb = build_batch(batch=batch, width=width, length=length if host else 0,
                            page_tables=[], slots=[],
-                           replay_source=[] if plan.replay_source_column else None)
+                           replay_source=[] if plan.replay_source_column else None,
+                           verify_caps=[] if plan.verify_caps else None)
           decode.append((plan, sb))
   prefill = [_prefill_args(engine, *shape) for shape in prefill_shapes(
       requests, bucket=bucket, pages_bucket=engine._pages_bucket,

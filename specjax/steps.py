@@ -145,6 +145,10 @@ class StepPlan:
       (``DeviceDraft.parents``; mask and positions made on the device).
     host_drafts: the drafts come from the host (the batch's columns, or the
       ``draft_tokens`` argument), not from a fused proposer.
+    verify_caps: a fused proposer's step whose batch carries per-row verify caps (the
+      num_draft column, ``specjax.batch.build_batch``; ``Capabilities.plans_verify``):
+      each row's budget, as the proposer sees it and as verification applies it, is
+      ``min(budget, cap)``.
     num_iterations: engine iterations run by this one call (``lax.scan``; each row's
       pages must cover ``num_iterations * (length + 1)`` more tokens). A row that ends
       in iteration i is inactive (no writes, no tokens) in the later ones.
@@ -173,6 +177,7 @@ class StepPlan:
   k: int = 0
   tree: bool = False
   host_drafts: bool = True
+  verify_caps: bool = False
   num_iterations: int = 1
   fused_implementation: tuple[str, ...] = ("reference",)
   attention_implementation: str | tuple[str, ...] = "reference"
@@ -200,6 +205,8 @@ class StepPlan:
                        f"hidden_layers={self.hidden_layers})")
     if self.num_iterations < 1:
       raise ValueError(f"num_iterations={self.num_iterations} must be >= 1")
+    if self.verify_caps and self.host_drafts:
+      raise ValueError("verify_caps cap a fused proposer's drafts (host_drafts=False)")
     if (self.replay or self.synthetic_acceptance is not None) and self.tree:
       raise ValueError("replayed and synthetic acceptance take chain drafts, not trees")
     if self.num_iterations > 1 and (self.host_drafts and self.length
@@ -346,6 +353,8 @@ def _iteration(plan: StepPlan, proposer, graphdef, params, proposer_params, batc
   budgets = jnp.minimum(jnp.minimum(plan.k, slots.max_model_len - n_tok),
                         rows["max_tokens"] - num_out - 1)
   budgets = jnp.where(active, jnp.maximum(budgets, 0), 0).astype(jnp.int32)
+  if plan.verify_caps:  # the method's per-row caps of this dispatch
+    budgets = jnp.minimum(budgets, jnp.maximum(batch.num_draft, 0)).astype(jnp.int32)
   probs = None
   if not length:
     source = jnp.zeros((n_tok.shape[0], 0), jnp.int32)
