@@ -50,10 +50,33 @@ not (as in vLLM), unless the drafter's ``coupled_sampling`` option sends its dra
 coupled rule too. Wrapping ``hsddw`` counts a truncated
 draft as rejected in its threshold. Cost by B rows, not the padded batch bucket.
 
-Runs on the synchronous host path: the truncation is a host decision from learned per-
-position estimates updated after every step. Cost: one synchronous step each (the
-wrapped drafter's host cost plus the read and commit); a fused drafter wrapped here runs
-its host ``propose``.
+Two paths (``capabilities().runs_on``, recorded by ``describe()``):
+
+* Fused (a fused drafter without draft probabilities, e.g. the device n-gram, the
+  default; unless ``host_path``): the drafter runs inside the engine's device step and
+  iterations stay asynchronous. Before each dispatch the engine asks ``plan_verify``
+  for per-row verify caps (``specjax.method.VerifyPlan``): stage 1 as above, and stage
+  2 with its one confidence bin is row-independent, so row r's admitted length is
+  ``min(n_r, budget_r, cap)`` with ``cap = min(L*, max(l_lambda, min_tokens))``, ``l_lambda``
+  the leading positions ``j <= L*`` whose survival is >= lambda: a cap the device applies
+  to the drafter's budget. The step verifies at the bucket of the largest cap. The
+  estimates learn from each read iteration (``observe_read``). Staleness: the host
+  reads call t-1 while call t runs, so call t+1's caps come from calls <= t-1 (one
+  call staler than the host path; with ``EngineConfig.steps_per_dispatch`` N, one cap
+  holds for the N iterations of a call). The drafter's own count n_r is not read back,
+  only ``min(n_r, budget, cap)``: a reached position at or past the cap is censored
+  (the host path labels it 0 when it was not drafted), so a drafter that often stops
+  short of the cap gets slightly higher stale estimates here. Non-anticipating as
+  above: the caps exist before the dispatch's drafts do. The drafter sees the cap as
+  its budget; drafters whose draft is cut by the budget and otherwise unchanged by it
+  (n-gram, suffix) draft the host path's tokens. Steps verify at least one draft
+  width, also when nothing was drafted (no host sees the drafts first), as any fused
+  proposer's steps do. Seeded requests: only drafters without q run here, so the
+  coupled rule applies (above).
+* Host (host drafters, drafters with draft probabilities, whose live stage needs the
+  per-row confidences, and ``host_path=True``): the truncation is a host decision after
+  the drafter's ``propose`` (a fused drafter's host ``propose``), one synchronous step
+  each (the drafter's host cost plus the read and commit).
 """
 
 from __future__ import annotations
@@ -66,7 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.cost_model import LinearVerifyCost, load
-from specjax.method import Draft, InnerMethodOption, Method
+from specjax.method import Draft, InnerMethodOption, Method, VerifyPlan
 
 __all__ = ["VerifySkip", "VerifySkipState", "choose_cap", "length_buckets"]
 
@@ -130,7 +153,9 @@ class VerifySkipState:
   reach_bin: np.ndarray  # f64[k, bins] live-stage labels per (position, bin)
   accept_bin: np.ndarray
   last: dict  # request id -> (verified, drafted, budget, cap, bins i32[verified])
-  counters: dict  # steps, drafted, verified, caps (list of L* per step)
+  # steps, drafted (host path only), verified, caps (L* per step or dispatch), row_caps
+  # (fused path: the dispatch's largest admitted cap)
+  counters: dict
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,6 +174,8 @@ class VerifySkip(Method):
     prior_weight: pseudo-observations of the prior (> 0).
     confidence_bins: increasing edges in (0, 1) of the draft max-probability bins.
     min_tokens: drafts always verified when present (0 or 1).
+    host_path: run on the synchronous host path even over a fused drafter without
+      draft probabilities (for comparison; module docstring).
   """
 
   name = "verify_skip"
@@ -160,6 +187,7 @@ class VerifySkip(Method):
   prior_weight: float = 2.0
   confidence_bins: tuple[float, ...] = (0.5, 0.8, 0.95)
   min_tokens: int = 1
+  host_path: bool = False
   _inner: Method = dataclasses.field(init=False, repr=False, compare=False, default=None)
 
   def __post_init__(self):
@@ -187,31 +215,118 @@ class VerifySkip(Method):
       raise ValueError(f"drafter={self.drafter!r} must be a chain drafter Method (k >= 1, no "
                        "trees, not verify_skip itself; by name through methods.registry)")
     object.__setattr__(self, "_inner", inner)
+    if not isinstance(self.host_path, bool):
+      raise ValueError(f"host_path={self.host_path!r} must be a bool")
 
   @property
   def num_speculative_tokens(self) -> int:
     return self.k
 
+  @property
+  def fused(self) -> bool:
+    """Runs in the engine's fused loop (module docstring: a fused drafter without draft
+    probabilities, and not ``host_path``)."""
+    caps = self._inner.capabilities()
+    return caps.runs_on == "fused" and not caps.emits_draft_probs and not self.host_path
+
   def capabilities(self):
+    if self.fused:
+      return dataclasses.replace(self._inner.capabilities(), plans_verify=True)
     return self._inner.host_capabilities()
 
   def describe(self) -> dict:
     return {"method": self.name, "k": self.k, "drafter": self._inner.name,
             "cost_model": _label(self.cost_model or _DEFAULT_COST),
             "prior_mean": self.prior_mean, "prior_weight": self.prior_weight,
-            "confidence_bins": self.confidence_bins, "min_tokens": self.min_tokens}
+            "confidence_bins": self.confidence_bins, "min_tokens": self.min_tokens,
+            "host_path": self.host_path, "runs_on": self.capabilities().runs_on}
 
   def init_state(self, runtime):
     bins = len(self.confidence_bins) + 1
     return VerifySkipState(
         self._inner.init_state(runtime), np.zeros(self.k), np.zeros(self.k),
         np.zeros((self.k, bins)), np.zeros((self.k, bins)), {},
-        dict(steps=0, drafted=0, verified=0, caps=[]))
+        dict(steps=0, drafted=0, verified=0, caps=[], row_caps=[]))
 
   def _estimate(self, accept, reach):
     a = self.prior_mean * self.prior_weight
     return (accept + a) / (reach + self.prior_weight)
 
+  def _stale_stage(self, state: VerifySkipState, budgets: np.ndarray) -> tuple[int, float]:
+    """``(L*, lambda)`` of step 1 from the learned per-position estimates."""
+    cost = self.cost_model or _DEFAULT_COST
+    survival = np.cumprod(self._estimate(state.accept, state.reach))
+    lengths = length_buckets(self.k)
+    if self.min_tokens == 0:
+      lengths = [0, *lengths]
+    cap, _, lam = choose_cap(survival, budgets, cost, lengths)
+    return cap, lam
+
+  def _learn(self, state: VerifySkipState, accepted: int, verified: int, drafted: int,
+             budget: int, cap: int, bins) -> None:
+    """Adds one row's labels (module docstring, Observations): ``drafted`` the row's
+    draft count (at least ``verified``; larger than any position when unknown)."""
+    for j in range(min(accepted + 1, verified)):  # live stage: drafted, reached, verified
+      state.reach_bin[j, bins[j]] += 1
+      state.accept_bin[j, bins[j]] += j < accepted
+    for j in range(min(accepted + 1, cap, budget)):  # stale stage
+      if j < verified:
+        state.reach[j] += 1
+        state.accept[j] += j < accepted
+      elif j >= drafted:  # no draft at a reached position: not accepted
+        state.reach[j] += 1
+
+  # ------------------------------------------------------------ fused path
+  def plan_verify(self, state: VerifySkipState, request_ids, budgets):
+    """The caps of the next fused dispatch (module docstring, fused path): ``budgets
+    i32[rows]`` the host's (upper-bound) row budgets. ``VerifyPlan.info`` is L*."""
+    budgets = np.clip(np.asarray(budgets), 0, self.k).astype(np.int32)
+    cap, lam = self._stale_stage(state, budgets) if budgets.max(initial=0) else (0, 0.0)
+    live = np.cumprod(self._estimate(state.accept_bin[:, 0], state.reach_bin[:, 0]))
+    keep = int(np.sum(np.cumprod(live[:cap] >= lam)))
+    row_cap = min(cap, max(keep, self.min_tokens))
+    caps = np.minimum(budgets, row_cap).astype(np.int32)
+    c = state.counters
+    c["steps"] += 1
+    c["caps"].append(cap)
+    c["row_caps"].append(int(caps.max(initial=0)))
+    return state, VerifyPlan(caps, info=cap)
+
+  def observe_read(self, state: VerifySkipState, result):
+    zeros = np.zeros(self.k, np.int32)  # one confidence bin
+    for i in range(len(result.request_ids)):
+      verified, budget = int(result.num_verified[i]), int(result.budgets[i])
+      # Fewer verified than the cap allowed: the drafter drafted exactly that many.
+      short = verified < min(int(result.caps[i]), budget)
+      drafted = verified if short else self.k + 1
+      self._learn(state, int(result.num_accepted[i]), verified, drafted, budget,
+                  int(result.plan_info), zeros)
+      state.counters["verified"] += verified
+    return state
+
+  def init_device(self, runtime):
+    return self._inner.init_device(runtime)
+
+  def propose_device(self, params, state, rows, *, all_greedy):
+    """The drafter's fused proposer; ``rows.budgets`` already hold the caps."""
+    return self._inner.propose_device(params, state, rows, all_greedy=all_greedy)
+
+  def prefill_device(self, params, state, tokens, meta, hidden=()):
+    return self._inner.prefill_device(params, state, tokens, meta, hidden)
+
+  def observe_device(self, params, state, rows, hidden, meta):
+    return self._inner.observe_device(params, state, rows, hidden, meta)
+
+  def reset_device(self, params, state, slots, num_tokens):
+    return self._inner.reset_device(params, state, slots, num_tokens)
+
+  def release_device(self, params, state, slot_tokens, slots, num_tokens):
+    return self._inner.release_device(params, state, slot_tokens, slots, num_tokens)
+
+  def end_device(self, runtime, params, state):
+    self._inner.end_device(runtime, params, state)
+
+  # ------------------------------------------------------------ host path
   def propose(self, state: VerifySkipState, ctx):
     rows = len(ctx.request_ids)
     state.inner, draft = self._inner.propose(state.inner, ctx)
@@ -221,13 +336,7 @@ class VerifySkip(Method):
       for rid in ctx.request_ids:
         state.last[rid] = (0, 0, 0, 0, np.zeros(0, np.int32))
       return state, Draft(draft.tokens, np.zeros(rows, np.int32), probs=draft.probs)
-    cost = self.cost_model or _DEFAULT_COST
-    survival = np.cumprod(self._estimate(state.accept, state.reach))
-    lengths = length_buckets(self.k)
-    if self.min_tokens == 0:
-      lengths = [0, *lengths]
-    cap, _, lam = (choose_cap(survival, budgets, cost, lengths) if lengths[-1]
-                   else (0, 0.0, 0.0))
+    cap, lam = self._stale_stage(state, budgets)
     if draft.probs is not None:  # pre-token confidence: max of q at each position
       conf = np.asarray(jnp.max(draft.probs[:rows, : self.k], axis=-1), np.float64)
       conf = np.pad(conf, ((0, 0), (0, self.k - conf.shape[1])))
@@ -260,16 +369,7 @@ class VerifySkip(Method):
   def observe(self, state: VerifySkipState, result):
     for i, rid in enumerate(result.request_ids):
       verified, drafted, budget, cap, bins = state.last.pop(rid, (0, 0, 0, 0, None))
-      a = int(result.num_accepted[i])
-      for j in range(min(a + 1, verified)):  # live stage: drafted, reached and verified
-        state.reach_bin[j, bins[j]] += 1
-        state.accept_bin[j, bins[j]] += j < a
-      for j in range(min(a + 1, cap, budget)):  # stale stage
-        if j < verified:
-          state.reach[j] += 1
-          state.accept[j] += j < a
-        elif j >= drafted:  # no draft at a reached position: not accepted
-          state.reach[j] += 1
+      self._learn(state, int(result.num_accepted[i]), verified, drafted, budget, cap, bins)
     state.inner = self._inner.observe(state.inner, result)
     return state
 
