@@ -69,7 +69,8 @@ Two paths (``capabilities().runs_on``, recorded by ``describe()``):
   short of the cap gets slightly higher stale estimates here. Non-anticipating as
   above: the caps exist before the dispatch's drafts do. The drafter sees the cap as
   its budget; drafters whose draft is cut by the budget and otherwise unchanged by it
-  (n-gram, suffix) draft the host path's tokens. Steps verify at least one draft
+  (n-gram) draft the host path's tokens; others (suffix decoding's scored search)
+  may draft differently under a smaller budget. Steps verify at least one draft
   width, also when nothing was drafted (no host sees the drafts first), as any fused
   proposer's steps do. Seeded requests: only drafters without q run here, so the
   coupled rule applies (above).
