@@ -25,16 +25,16 @@ from models.config import ModelConfig
 from models.llama import Transformer, init_kv_caches
 from pallas_kernels.paged_attention.metadata import AttentionMetadata
 from specjax.config import EngineConfig, SamplingParams
-from specjax.method import Draft, Method
+from specjax.method import Capabilities, DeviceDraft, Draft, Method
 from specjax.request import Request
 from specjax.steps import SplitModel, split_model
 from specjax.tree import chain_parents
 
 __all__ = [
     "ALPHABET", "DIST_PROMPT", "DIST_TEMPERATURE", "DIST_TOP_K", "ENGINE_CONFIG", "K", "MAX_MODEL_LEN", "PAGE_SIZE", "ChainAsTree",
-    "ScriptedDrafter", "ScriptedTreeDrafter", "TableDrafter", "VOCAB", "assert_target_law", "build_model", "check_counters",
+    "ScriptedDeviceDrafter", "ScriptedDrafter", "ScriptedTreeDrafter", "TableDrafter", "VOCAB", "assert_target_law", "build_model", "check_counters",
     "decode", "expected_counts", "full_logits", "top_k_joint", "greedy_reference", "law_requests", "make_requests",
-    "model_config", "scripted_drafter", "scripted_tree", "walk_tree",
+    "model_config", "scripted_device_drafter", "scripted_drafter", "scripted_tree", "walk_tree",
 ]
 
 VOCAB = 48
@@ -291,6 +291,67 @@ class TableDrafter(Method):
       d = lookup.get(tuple(int(t) for t in seq), ())[: int(ctx.budgets[i])]
       tokens[i, : len(d)], num[i] = d, len(d)
     return state, Draft(tokens, num)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScriptedDeviceDrafter(Method):
+  """``ScriptedDrafter`` as a fused proposer (pure jnp): a row whose tokens are the first
+  n of a script's prompt + continuation drafts the next ``budget`` tokens of it, right
+  for the first ``num_right`` (None: all) and ``(right + 1) % VOCAB`` after; a row
+  matching no script drafts nothing. The scripts are the ``init_device`` params.
+
+  Attributes:
+    k, num_right: as ``ScriptedDrafter``.
+    script: ``((request_id, prompt tuple, continuation), ...)``
+      (``scripted_device_drafter``).
+  """
+
+  name = "scripted_device"
+  k: int = K
+  script: tuple = ()
+  num_right: int | None = None
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    return self.k
+
+  def capabilities(self):
+    return Capabilities(runs_on="fused")
+
+  def propose(self, state, context):
+    raise NotImplementedError("ScriptedDeviceDrafter drafts in the fused step only")
+
+  def init_device(self, runtime):
+    seqs = np.full((len(self.script), MAX_MODEL_LEN + self.k), -2, np.int32)  # -2: no token
+    for i, (_, prompt, cont) in enumerate(self.script):
+      full = [*prompt, *cont][: seqs.shape[1]]
+      seqs[i, : len(full)] = full
+    return jnp.asarray(seqs), ()
+
+  def propose_device(self, params, state, rows, *, all_greedy):
+    seqs = params  # [R, M + k]
+    width = rows.tokens.shape[1]
+    known = jnp.arange(width)[None, None] < rows.num_tokens[:, None, None]  # [B, 1, M]
+    match = jnp.all((seqs[None, :, :width] == rows.tokens[:, None]) | ~known, axis=-1)
+    found = jnp.any(match, axis=-1) & rows.active  # [B]
+    script = seqs[jnp.argmax(match, axis=-1)]  # [B, M + k]
+    j = jnp.arange(self.k)[None]
+    right = jnp.take_along_axis(
+        script, jnp.minimum(rows.num_tokens[:, None] + j, seqs.shape[1] - 1), axis=1)
+    tokens = right if self.num_right is None else jnp.where(j < self.num_right, right,
+                                                            (right + 1) % VOCAB)
+    num = jnp.where(found, jnp.minimum(rows.budgets, self.k), 0).astype(jnp.int32)
+    tokens = jnp.where(j < num[:, None], jnp.maximum(tokens, 0), -1).astype(jnp.int32)
+    return state, DeviceDraft(tokens, num)
+
+
+def scripted_device_drafter(requests, reference,
+                            num_right: int | None = None) -> ScriptedDeviceDrafter:
+  """A ``ScriptedDeviceDrafter`` replaying ``reference`` for ``requests``."""
+  conts = {rid: cont for rid, _, cont in _script_table(requests, reference)}
+  script = tuple((r.request_id, tuple(r.prompt_token_ids), conts[r.request_id])
+                 for r in requests)
+  return ScriptedDeviceDrafter(k=K, script=script, num_right=num_right)
 
 
 def scripted_drafter(requests, reference, num_right: int | None = None) -> ScriptedDrafter:

@@ -1,6 +1,6 @@
 """G1: greedy speculative decoding emits exactly the greedy autoregressive tokens.
 
-Every method (ar, ngram, draft_model, a scripted drafter) runs batches of 1 to 8
+Every method (ar, ngram, draft_model, a scripted drafter, verify_skip) runs batches of 1 to 8
 requests (and a queue longer than ``max_num_seqs``) with mixed prompt lengths and
 ``max_tokens``, so rows join and finish at different steps; the outputs must equal the
 uncached greedy reference token for token. A small page pool with long requests forces
@@ -23,7 +23,8 @@ WORKLOADS = {
 # Long requests: 8 of them need up to 32 pages, the pool has 16.
 PREEMPT_WORKLOAD = dict(seed=5, n=8, prompt_len=(6, 20), max_tokens=(8, 26))
 
-METHODS = ["ar", "ngram", "draft_model", "scripted_right", "scripted_2"]
+# verify_skip: over the device n-gram, in the fused loop (``methods.verify_skip``).
+METHODS = ["ar", "ngram", "draft_model", "scripted_right", "scripted_2", "verify_skip"]
 
 
 def _method(name, requests, reference):
