@@ -3,7 +3,10 @@
 Per batch size: fixed-length runs (``harness.synthetic.ConstantDrafter`` with k = L for each
 ``--lengths`` L, synthetic per-position acceptance ``--acceptance``) give step times
 and tokens/s; their step times become the ``TableVerifyCost`` that ``verify_skip``
-(wrapping ``ConstantDrafter(k=max L)``) then uses in its own run. Each configuration
+(wrapping the fused ``ConstantDrafter(k=max L)``) then uses in its own runs, one per
+``--paths`` entry: "fused" (its asynchronous fused path) and "host" (``host_path=True``:
+the synchronous host path over the same drafter's host ``propose``); ``runs_on`` records
+which ran. Each configuration
 runs once untimed (compiles) and once measured. Random weights of a ``models.shapes``
 shape (default the Llama-3.1-8B shape, bf16); ``new_tokens`` per request, prompts of
 ``context`` random tokens. ``tokens_per_s`` = tokens / time of the measured run's
@@ -58,7 +61,9 @@ def _measure(split, method, ecfg, requests):
   steady = met.steady_steps()
   emitted = sum(len(o.output_token_ids) for o in outputs)
   return dict(
+      runs_on=method.capabilities().runs_on,
       step_ms=1e3 * float(np.mean([s.step_s for s in steady])),
+      host_ms=1e3 * float(np.mean([s.host_s for s in steady])),
       tau=float(np.mean([s.num_emitted / s.num_rows for s in steady])),
       mean_L=float(np.mean([s.query_bucket - 1 for s in steady])),
       tokens_per_s=sum(s.num_emitted for s in steady) / sum(s.step_s for s in steady),
@@ -67,7 +72,7 @@ def _measure(split, method, ecfg, requests):
 
 
 def run(*, shape: str, dtype: str, batch_sizes, lengths, acceptance, context: int,
-        new_tokens: int, layer_execution: str, log=print) -> pd.DataFrame:
+        new_tokens: int, layer_execution: str, paths=("fused",), log=print) -> pd.DataFrame:
   """One row per (batch, method); see the module docstring."""
   cfg = dataclasses.replace(SHAPES[shape], dtype=dtype)
   split = split_model(random_transformer(cfg, 0), unroll_layers=layer_execution == "unrolled")
@@ -94,13 +99,14 @@ def run(*, shape: str, dtype: str, batch_sizes, lengths, acceptance, context: in
         0.0, step_s[ls[0]] - (step_s[ls[1]] - step_s[ls[0]]) * ls[0] / (ls[1] - ls[0]))
     table = TableVerifyCost(batches=(batch,), lengths=tuple([0, *ls]),
                             seconds=((t0, *[step_s[v] for v in ls]),))
-    method = VerifySkip(k=max(lengths), drafter=ConstantDrafter(k=max(lengths)),
-                        cost_model=table)
-    res, state = _measure(split, method, ecfg, requests)
-    caps = state.counters["caps"] if state is not None else []
-    rows.append(dict(batch=batch, method="verify_skip", **res,
-                     caps=" ".join(map(str, sorted(set(caps))))))
-    log(rows[-1])
+    for path in paths:
+      method = VerifySkip(k=max(lengths), drafter=ConstantDrafter(k=max(lengths)),
+                          cost_model=table, host_path=path == "host")
+      res, state = _measure(split, method, ecfg, requests)
+      caps = state.counters["caps"] if state is not None else []
+      rows.append(dict(batch=batch, method="verify_skip" + ("_host" if path == "host" else ""),
+                       **res, caps=" ".join(map(str, sorted(set(caps))))))
+      log(rows[-1])
   df = pd.DataFrame(rows)
   df["shape"], df["dtype"], df["device"] = shape, dtype, jax.devices()[0].device_kind
   df["acceptance"] = ",".join(map(str, acceptance))
@@ -117,6 +123,8 @@ _SHAPE = flags.DEFINE_string("shape", "llama3-8b", f"One of {list(SHAPES)} (rand
 _ACC = flags.DEFINE_list("acceptance", ["0.9", "0.75", "0.6", "0.45"],
                          "Synthetic per-position acceptance probabilities.")
 _CTX = flags.DEFINE_integer("context", 128, "Prompt length (tokens).")
+_PATHS = flags.DEFINE_multi_enum("paths", ["fused"], ["fused", "host"],
+                                 "verify_skip runs: its fused path, and/or its host path.")
 
 
 def main(argv):
@@ -127,7 +135,7 @@ def main(argv):
     raise ValueError(f"lengths={lengths} must all be >= 1")
   df = run(shape=_SHAPE.value, dtype=_DTYPE.value, batch_sizes=[int(b) for b in _BATCH.value],
            lengths=lengths, acceptance=[float(a) for a in _ACC.value], context=_CTX.value,
-           new_tokens=_NEW.value, layer_execution=_LAYERS.value)
+           new_tokens=_NEW.value, layer_execution=_LAYERS.value, paths=_PATHS.value)
   os.makedirs(_OUT.value, exist_ok=True)
   df.to_csv(os.path.join(_OUT.value, "verify_skip_bench.csv"), index=False)
   print(df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
