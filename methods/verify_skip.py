@@ -157,6 +157,7 @@ class VerifySkipState:
   # steps, drafted (host path only), verified, caps (L* per step or dispatch), row_caps
   # (fused path: the dispatch's largest admitted cap)
   counters: dict
+  costs: dict = dataclasses.field(default_factory=dict)  # (B, L) -> T(B, L) seconds, memo
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -255,7 +256,14 @@ class VerifySkip(Method):
 
   def _stale_stage(self, state: VerifySkipState, budgets: np.ndarray) -> tuple[int, float]:
     """``(L*, lambda)`` of step 1 from the learned per-position estimates."""
-    cost = self.cost_model or _DEFAULT_COST
+    model = self.cost_model or _DEFAULT_COST
+
+    def cost(batch: int, length: int) -> float:  # T(B, L) is a pure function: memoized
+      key = (batch, length)
+      if key not in state.costs:
+        state.costs[key] = float(model(batch, length))
+      return state.costs[key]
+
     survival = np.cumprod(self._estimate(state.accept, state.reach))
     lengths = length_buckets(self.k)
     if self.min_tokens == 0:
