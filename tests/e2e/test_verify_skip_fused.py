@@ -5,13 +5,15 @@
 - greedy output == greedy AR at batch 1 and in a mixed batch, with step n+1 dispatched
   before step n is read (the engine's dispatch / read order);
 - the caps follow the learned estimates: a drafter right at every position keeps k,
-  one wrong after its first draft shrinks the cap to 1 (two dispatches late);
+  one wrong after its first draft shrinks it, from the third dispatch on (the first two
+  precede any read), down to 1;
 - EOS / stop ids / stop strings / max_tokens / max_model_len inside an accepted run end
   the request as AR does;
 - precompile covers every verify length the caps can pick (the run compiles nothing);
 - a seeded sampled request gives plain decoding's tokens alone and with partners
   (n-gram drafts have no q: the coupled rule);
-- bad caps from a method and ``plans_verify`` outside the fused loop are refused.
+- bad caps from a method and ``plans_verify`` outside the fused loop are refused;
+- (slow) a fused drafter that reads target hidden states (EAGLE-3, coupled) runs fused.
 """
 
 from __future__ import annotations
@@ -246,3 +248,19 @@ def test_bad_plans_are_refused(make_engine):
     make_engine(_TooLong(k=K, drafter=NGram(k=K))).generate(make_requests(1, 1))
   with pytest.raises(ValueError, match="plans_verify needs runs_on='fused'"):
     make_engine(_HostPlanner())
+
+
+@pytest.mark.slow  # its own compiles (EAGLE-3 head steps at each verify length)
+def test_fused_head_with_hidden_layers_equals_ar(make_engine, reference):
+  """A fused drafter reading target hidden states (EAGLE-3's chain, coupled: no q) runs
+  fused under verify_skip (its device hooks are the drafter's) and keeps greedy outputs."""
+  from methods.eagle3 import Eagle3  # noqa: PLC0415
+
+  requests = make_requests(2, 4)
+  method = VerifySkip(k=K, drafter=Eagle3(k=K, feature_layers=(1, 2, 2), coupled_sampling=True))
+  engine = make_engine(method)
+  assert engine.fused and engine.caps.plans_verify and engine.caps.target_hidden_layers
+  outputs, metrics = engine.generate(requests)
+  assert [o.output_token_ids for o in outputs] == reference(requests)
+  check_counters(metrics, outputs, K)
+  assert engine._method_state.counters["verified"] > 0
