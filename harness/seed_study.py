@@ -21,8 +21,8 @@ each over the file's first ``num_requests(B)`` records whose prompt + output fit
                          step verifies a padded batch; EAGLE-3 trace.
   ``combination_w{W}``   likewise with the per-position longer run of EAGLE-3 and n-gram
                          (the shorter list), the seed's oracle combination.
-  ``verify_skip_k{k}``   ``methods.verify_skip`` over the zero-cost drafter on the host
-                         path (k drafts, n-gram trace), its cost table this batch size's
+  ``verify_skip_k{k}``   ``methods.verify_skip`` over the zero-cost device drafter, in the
+                         fused loop (k drafts, n-gram trace), its cost table this batch size's
                          measured AR and ``ngram_k`` steps (``verify_skip_method``): the
                          one to compare with the best ``ngram_k``.
   ``adaptive_k{k}``      ``methods.adaptive`` choosing per row between n-gram lookup over
@@ -330,7 +330,8 @@ def _choice(method, engine) -> str:
 
 
 def verify_skip_method(k: int, batch: int, ar_ms: dict, zero_ms: dict):
-  """``methods.verify_skip.VerifySkip`` over the zero-cost host drafter (k drafts),
+  """``methods.verify_skip.VerifySkip`` over the zero-cost device drafter (k drafts; the
+  fused, asynchronous path: ``Capabilities.plans_verify``),
   with this batch size's measured ``T(B, L)`` as its cost (``TableVerifyCost``): the AR
   step and the zero-cost drafter's steps at each fixed k <= ``k`` (ms, keyed
   ``(data, rep)`` and ``(data, L, rep)``; the mean over files and repeats).
@@ -350,7 +351,7 @@ def verify_skip_method(k: int, batch: int, ar_ms: dict, zero_ms: dict):
       float(np.mean([v for (_, n, _), v in zero_ms.items() if n == m])) for m in lengths]
   table = TableVerifyCost(batches=(batch,), lengths=(0, *lengths),
                           seconds=(tuple(v / 1e3 for v in seconds),))
-  return VerifySkip(k=k, drafter=ConstantDrafter(k=k, device=False), cost_model=table)
+  return VerifySkip(k=k, drafter=ConstantDrafter(k=k, device=True), cost_model=table)
 
 
 def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_tokens: int,
