@@ -42,7 +42,7 @@ def predict_steps(model: CostModel, frame: pd.DataFrame, *, new_tokens: int) -> 
   steps, devices = [], []
   for (_, r), per_row in zip(out.iterrows(), mean_kv_per_row(out, new_tokens)):
     b, length = int(r.batch), int(r.L)
-    q = model.query_tokens(np.full(b, length))
+    q = model.query_tokens(np.full(b, length), k=length)
     kv = b * per_row
     steps.append(1e3 * model.step_time(b, q, kv, length=length))
     devices.append(1e3 * model.target.time(kv, q, b))

@@ -205,7 +205,9 @@ def _step(policy, rows, arrays, cost: CostModel, res: SimResult, full: bool) -> 
         switches += row.weight
       row.last_method = m
   num_rows = len(lengths)
-  parts = cost.step_parts(num_rows, cost.query_tokens(lengths), kv, by_method,
+  # The engine's draft-length buckets stop at the method's k (k = 5 verifies 6 tokens a row).
+  q = cost.query_tokens(lengths, k=policy.k or None)
+  parts = cost.step_parts(num_rows, q, kv, by_method,
                           length=max(lengths), speculative=policy.kind != "ar",
                           switches=switches)
   verify, draft, overhead, switch = parts

@@ -19,9 +19,10 @@ B rows, row r verifying ``l_r`` drafts, costs ``CostModel.step_time``:
   switch             = switch_s per row whose method differs from its previous step's
 
 with q the verified query tokens (``query_padding="ragged"``: sum of ``l_r + 1``;
-``"engine"``: this project's padded step, ``bucket(B) * (bucket(max l_r) + 1)``, see
-``specjax.engine``), kv the KV tokens of all rows at the step's start, L = max l_r, R_m
-and L_m the rows drafting with method m and their longest draft (the draft work).
+``"engine"``: this project's padded step, ``bucket(B) * (min(bucket(max l_r), k) + 1)``
+with the method's k, see ``specjax.engine``), kv the KV tokens of all rows at the step's
+start, L = max l_r, R_m and L_m the rows drafting with method m and their longest draft
+(the draft work).
 ``CostModel.verify_time(B, L)`` is the step of B rows that each verify L drafts, no draft
 work: the T(B, L) verify skipping compares lengths with.
 
@@ -208,14 +209,25 @@ class CostModel:
     raise ValueError(f"cost model {self.name!r} has no draft cost for {method=}; it has "
                      f"{sorted(self.drafts)}")
 
-  def query_tokens(self, lengths) -> int:
-    """Verified query tokens of a step whose rows verify ``lengths`` (ints) drafts."""
+  def query_tokens(self, lengths, k: int | None = None) -> int:
+    """Verified query tokens of a step whose rows verify ``lengths`` (ints) drafts.
+
+    ``k``: the step's most drafts (the method's k), where the engine's draft-length
+    buckets stop (``specjax.batch.bucket(n, cap=k)``: k = 5 verifies 5 + 1 query tokens a
+    row, not bucket(5) + 1 = 9); None: no cap. Only ``query_padding="engine"`` reads it.
+
+    Raises:
+      ValueError: a length above ``k``.
+    """
     lengths = np.asarray(lengths, np.int64)
     if lengths.size == 0:
       return 0
+    if k is not None and int(lengths.max()) > k:
+      raise ValueError(f"lengths up to {int(lengths.max())} exceed the step's k={k}")
     if self.query_padding == "ragged":
       return int(np.sum(lengths + 1))
-    return bucket(lengths.size) * (bucket(int(lengths.max())) + 1)
+    width = bucket(int(lengths.max()))
+    return bucket(lengths.size) * ((width if k is None else min(width, k)) + 1)
 
   def step_parts(self, batch: int, query_tokens: int, kv_tokens: float,
                  drafts: Mapping[str, tuple[int, int]] | None = None, *,
@@ -258,7 +270,7 @@ class CostModel:
   def verify_time(self, batch: int, length: int) -> float:
     """``T(B, L)``: seconds of a step of ``batch`` rows each verifying ``length`` drafts
     (no draft work, no KV term): what verify skipping compares lengths with."""
-    return self.step_time(batch, self.query_tokens(np.full(batch, length)), 0,
+    return self.step_time(batch, self.query_tokens(np.full(batch, length), k=length), 0,
                           length=length)
 
   def __call__(self, batch: int, length: int) -> float:

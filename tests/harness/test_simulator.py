@@ -186,3 +186,15 @@ def test_compare_engine_loop_rows():
   assert out.sim_step_ms.tolist() == pytest.approx([15.0, 12.5])
   assert out.sim_tau.tolist() == [2.0, 1.0]
   assert out.step_ratio.tolist() == pytest.approx([2.0, 1.0])
+
+
+def test_engine_padding_stops_at_k():
+  # One row, k = 3: the engine verifies a draft of 3 at width 3 (its length buckets stop at
+  # k), so its padded query tokens equal the ragged ones (l + 1) at every step; padding to
+  # bucket(3) = 4 would charge one token more in the step where A's acceptance of 4 lets
+  # the row verify 3 drafts.
+  engine = CostModel(name="e", target=COST.target, drafts=COST.drafts,
+                     overhead=OverheadCost(), query_padding="engine")
+  policy = Policy(kind="fixed", methods=("a",), k=3)
+  assert sim([A], policy, cost=engine)["sd_time_s"] == pytest.approx(
+      sim([A], policy)["sd_time_s"])

@@ -42,6 +42,13 @@ def test_step_time_by_hand():
   # Engine padding: bucket(3 rows) = 4, bucket(3) + 1 = 5 -> 20 query tokens.
   engine = CostModel(name="e", target=MODEL.target, drafts={}, query_padding="engine")
   assert engine.query_tokens([1, 3, 0]) == 20
+  # The engine's length buckets stop at k: k = 5 verifies 5 + 1 tokens a row, not 8 + 1;
+  # k = 3 gives 3 + 1; a step of shorter drafts keeps its bucket (2 -> 2, under k = 5).
+  assert engine.query_tokens([5, 5], k=5) == 2 * 6 and engine.query_tokens([5, 5]) == 2 * 9
+  assert engine.query_tokens([3, 1, 0], k=3) == 4 * 4
+  assert engine.query_tokens([2, 1], k=5) == 2 * 3
+  with pytest.raises(ValueError, match="exceed the step's k=3"):
+    engine.query_tokens([4, 1], k=3)
 
 
 def test_verify_time_is_linear_verify_cost():
