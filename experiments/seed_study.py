@@ -45,9 +45,10 @@ _MIN_REQ = flags.DEFINE_integer("min_requests", 4, "Fewest requests per batch si
 _MAX_TOTAL = flags.DEFINE_integer("max_total_tokens", 2048, "Only records whose prompt + "
                                   "output fits (the KV pool holds batch x this).",
                                   lower_bound=2)
-_OCC = flags.DEFINE_float("min_occupancy", 1.0, "Measure (and simulate) the decode steps "
+_OCC = flags.DEFINE_float("min_occupancy", 1.0, "Measure (and --predict) the decode steps "
                           "with at least this share of the batch's slots busy (1: full "
-                          "batches only).")
+                          "batches only); a report simulates each batch size with the "
+                          "value its measured rows record.")
 _IMPL = flags.DEFINE_list("attention_implementation", ["reference"], "Paged attention impl(s).")
 _PRECISION = flags.DEFINE_string("matmul_precision", None, "jax.default_matmul_precision "
                                  "around the measurement (unset: JAX's default).")
@@ -114,11 +115,11 @@ def _measure(points) -> pd.DataFrame:
   return df
 
 
-def _simulator_options() -> dict:
+def _simulator_options(min_occupancy: float | None) -> dict:
   """``seed_study.simulate_points``' options from the flags."""
   return dict(max_total_tokens=_MAX_TOTAL.value, requests_per_slot=_PER_SLOT.value,
               min_requests=_MIN_REQ.value, read_records=read_jsonl,
-              seed_cost=cost_model.load("seed-llama8b-h100"), min_occupancy=_OCC.value)
+              seed_cost=cost_model.load("seed-llama8b-h100"), min_occupancy=min_occupancy)
 
 
 def _predict(points) -> None:
@@ -126,7 +127,7 @@ def _predict(points) -> None:
     raise ValueError("--predict needs --cost_model (a preset or a fitted JSON)")
   pred = seed_study.predict_points(
       _TRACES.value, cli.int_list(_BATCH), cost_model.load(_COST.value), points=points,
-      **_simulator_options())
+      **_simulator_options(_OCC.value))
   pred.to_csv(os.path.join(_OUT.value, "predicted.csv"), index=False)
   print(pred.round(3).to_string(index=False))
 
@@ -136,7 +137,7 @@ def _report(measured: pd.DataFrame, points) -> None:
 
   both = seed_study.simulate_points(
       measured, _TRACES.value, cost_model.load(_COST.value), points=points,
-      **_simulator_options())
+      **_simulator_options(None))  # each batch size as its rows were measured
   both.to_csv(os.path.join(_OUT.value, "seed_study_vs_sim.csv"), index=False)
   table = seed_study.summary_table(both)
   table.to_csv(os.path.join(_OUT.value, "seed_study_table.csv"), index=False)

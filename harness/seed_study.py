@@ -356,17 +356,22 @@ def verify_skip_method(k: int, batch: int, ar_ms: dict, zero_ms: dict):
 
 def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_tokens: int,
                     requests_per_slot: int, min_requests: int, read_records,
-                    seed_cost=None, min_occupancy: float = 1.0) -> pd.DataFrame:
+                    seed_cost=None, min_occupancy: float | None = None) -> pd.DataFrame:
   """``measured`` (``measure_study``'s rows) with the simulators' numbers beside each
   (file, batch, point): ``sim_specjax_tau`` / ``sim_specjax_speedup`` (the same requests,
   continuous batching, ``cost``; end to end, the tail's partial batches and the prefills
   included), ``sim_specjax_full_tau`` / ``sim_specjax_full_speedup`` (the same run over
-  its full-batch decode steps only (``min_occupancy``: as ``StudyConfig``'s), as the
+  its full-batch decode steps only (``min_occupancy``: as ``StudyConfig``'s; None: each
+  batch size's as its measured rows record it, 1.0 where they have no such column), as the
   measured columns are; both charge a point that
   drafts with the zero-cost constant drafter no draft cost), ``sim_seed_speedup`` (the seed's semantics under
   ``cost``) and, with ``seed_cost``, ``sim_seed_h100_speedup`` (the seed's semantics
   under the seed's own cost model: what the seed's simulator prints). The
-  ``ngram_lookup`` points get none (their tau is not the trace's)."""
+  ``ngram_lookup`` points get none (their tau is not the trace's).
+
+  Raises:
+    ValueError: with ``min_occupancy`` None, one batch size's rows record two values.
+  """
   from harness.seed_simulator import MATCH_PROBABILITY, simulate_seed  # noqa: PLC0415
   from harness.simulator import Policy, simulate  # noqa: PLC0415
   from specjax.cost_model import DraftCost  # noqa: PLC0415
@@ -382,6 +387,14 @@ def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_to
     sub = measured[measured.data == data]
     for batch in sorted(sub.batch.unique()):
       n = num_requests(int(batch), len(records), requests_per_slot, min_requests)
+      occupancy = min_occupancy
+      if occupancy is None:
+        recorded = set(sub[sub.batch == batch].get("min_occupancy", pd.Series(dtype=float))
+                       .dropna())
+        if len(recorded) > 1:
+          raise ValueError(f"{data} batch {batch}: rows record min_occupancy "
+                           f"{sorted(recorded)}; one value per batch size is simulated")
+        occupancy = float(recorded.pop()) if recorded else 1.0
       for label in sub[sub.batch == batch].point.unique():
         p = by_point.get(label)
         row = dict(data=data, batch=int(batch), point=label)
@@ -392,7 +405,7 @@ def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_to
           point_cost = engine_cost if p.drafter != "constant" else dataclasses.replace(
               engine_cost, drafts={**engine_cost.drafts, **{m: DraftCost() for m in methods}})
           sim = simulate(records[:n], point_cost, pol, int(batch), batching="continuous",
-                         min_occupancy=min_occupancy)
+                         min_occupancy=occupancy)
           row.update(sim_specjax_tau=sim["tau"], sim_specjax_speedup=sim["speedup"],
                      sim_specjax_full_tau=sim["full_tau"],
                      sim_specjax_full_speedup=sim["full_speedup"])

@@ -179,3 +179,24 @@ def test_predicted_points_cover_every_replayed_point_and_batch(tmp_path):
 def test_min_occupancy_outside_its_range_is_an_error():
   with pytest.raises(ValueError, match=r"min_occupancy=1.5 must be in \(0, 1\]"):
     seed_study.StudyConfig(files=(), batch_sizes=(), points=(), min_occupancy=1.5)
+
+
+def test_a_report_simulates_each_batch_size_with_its_recorded_occupancy(tmp_path):
+  from specjax import cost_model  # noqa: PLC0415
+  path = str(tmp_path / "combined_gsm8k.jsonl")
+  write_jsonl(path, _records(12))
+  points = [p for p in seed_study.study_points((3,), (8,)) if p.label == "eagle3_k3"]
+  opts = dict(points=points, max_total_tokens=64,
+              requests_per_slot=2, min_requests=4, read_records=read_jsonl)
+  measured = pd.DataFrame([dict(data="gsm8k", batch=4, point="eagle3_k3", min_occupancy=0.5)])
+  cost = cost_model.load("seed-llama8b-h100")
+  recorded = seed_study.simulate_points(measured, [path], cost, **opts)
+  assert recorded.sim_specjax_full_tau.item() == seed_study.simulate_points(
+      measured, [path], cost, min_occupancy=0.5, **opts).sim_specjax_full_tau.item()
+  # The full-batch rule matters here (a batch of 4 over 8 short requests), so a report
+  # that simulated 1.0 instead would differ.
+  assert recorded.sim_specjax_full_tau.item() != seed_study.simulate_points(
+      measured, [path], cost, min_occupancy=1.0, **opts).sim_specjax_full_tau.item()
+  both = pd.concat([measured, measured.assign(point="ar", min_occupancy=1.0)])
+  with pytest.raises(ValueError, match=r"gsm8k batch 4: rows record min_occupancy \[0.5, 1.0\]"):
+    seed_study.simulate_points(both, [path], cost, **opts)
