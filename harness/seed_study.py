@@ -77,7 +77,9 @@ __all__ = ["EAGLE", "NGRAM", "Point", "StudyConfig", "combined_records", "draft_
 EAGLE, NGRAM = "eagle", "ngram"  # the seed files' trace names
 COMBINED = "eagle+ngram"
 ADAPTIVE = "ngram|eagle"  # the adaptive point's requests: one trace per member
-HOST_PATH = ("verify_skip", "adaptive")  # drafters whose points have no verify_share
+# Drafters whose points have no verify_share: adaptive (host path) and verify skipping
+# (its verify length changes step to step).
+HOST_PATH = ("verify_skip", "adaptive")
 
 
 @dataclasses.dataclass(frozen=True)

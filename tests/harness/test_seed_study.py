@@ -98,8 +98,10 @@ def test_measured_tau_equals_the_simulator_at_batch_one(tmp_path):
   assert 1.0 <= skip.tau <= zero.tau and 0 < skip.mean_verify_width <= 3
   assert np.isnan(skip.verify_share) and np.isnan(skip.sim_specjax_tau)
   np.testing.assert_allclose(both.speedup, both.tau / both.c)
-  # on the host path the step's parts add up to it; only host-called proposers draft
-  host = both[both.point.isin(["verify_skip_k3", "adaptive_k3"])]
+  # on the host path (adaptive; verify skipping runs fused since it plans its verify caps)
+  # the step's parts add up to it; only host-called proposers draft
+  assert (both.loc[both.point == "verify_skip_k3", "runs_on"] == "fused").all()
+  host = both[both.point == "adaptive_k3"]
   np.testing.assert_allclose(host.draft_ms + host.verify_ms + host.host_ms, host.step_ms,
                              rtol=1e-9)
   assert (both.loc[both.point == "adaptive_k3", "draft_ms"] > 0).all()
