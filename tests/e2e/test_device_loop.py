@@ -301,7 +301,9 @@ def test_stops_inside_accepted_run(make_engine, stop_baseline, method, spd):
 
 
 # ------------------------------------------------------------- 4. async dispatch order
-def _spy_order(monkeypatch):
+def spy_order(monkeypatch):
+  """The engine's calls in order: "D" per dispatch, "R<n>" per read with n calls in
+  flight (monkeypatched ``Engine._dispatch`` / ``_read_oldest``)."""
   order = []
   real_dispatch, real_read = Engine._dispatch, Engine._read_oldest
 
@@ -320,7 +322,7 @@ def _spy_order(monkeypatch):
 
 def test_async_dispatches_before_reading(target, reference, monkeypatch):
   requests = _requests(WORKLOADS["batch3"])
-  order = _spy_order(monkeypatch)
+  order = spy_order(monkeypatch)
   out, _ = Engine(target, NGram(k=4), ENGINE_CONFIG, decode=decode).generate(requests)
   assert [o.output_token_ids for o in out] == reference(requests)
   seq = "".join(o[0] for o in order)

@@ -32,7 +32,7 @@ from e2e_lib import (
   make_requests,
   scripted_device_drafter,
 )
-from test_device_loop import SEEDED, STOP_EOS, STOP_REQUESTS
+from test_device_loop import SEEDED, STOP_EOS, STOP_REQUESTS, spy_order
 
 from harness.synthetic import ConstantDrafter
 from methods.draft_model import DraftModel
@@ -40,7 +40,6 @@ from methods.ngram import NGram
 from methods.registry import make_method
 from methods.verify_skip import VerifySkip
 from specjax.config import SamplingParams
-from specjax.engine import Engine
 from specjax.method import Capabilities, Method
 from specjax.request import Request
 
@@ -53,23 +52,6 @@ def middling(batch, length):
   """Per-row cost 1 + 0.1 L: with the prior (0.8 per position) L* = k; once position 2
   is learned to fail, L* = 1 (E(1) / T = 2 / 1.1 beats E(2) / T ~ 2 / 1.2)."""
   return batch * (1.0 + 0.1 * length)
-
-
-def _spy_order(monkeypatch):
-  order = []
-  real_dispatch, real_read = Engine._dispatch, Engine._read_oldest
-
-  def dispatch(self, *args, **kwargs):
-    order.append("D")
-    return real_dispatch(self, *args, **kwargs)
-
-  def read(self, *args, **kwargs):
-    order.append("R")
-    return real_read(self, *args, **kwargs)
-
-  monkeypatch.setattr(Engine, "_dispatch", dispatch)
-  monkeypatch.setattr(Engine, "_read_oldest", read)
-  return order
 
 
 def _spy_plans(monkeypatch):
@@ -108,7 +90,7 @@ WORKLOADS = {"batch1": dict(seed=1, n=1), "mixed": dict(seed=2, n=5)}
 def test_greedy_equals_ar_asynchronously(make_engine, reference, monkeypatch, workload):
   spec = WORKLOADS[workload]
   requests = make_requests(spec["seed"], spec["n"])
-  order = _spy_order(monkeypatch)
+  order = spy_order(monkeypatch)
   # Right for 2 drafts: some drafts accepted, some rejected, caps of 2 and 4.
   for drafter, cost in ((NGram(k=K), cheap),
                         (scripted_device_drafter(requests, reference, 2), middling)):
@@ -119,7 +101,7 @@ def test_greedy_equals_ar_asynchronously(make_engine, reference, monkeypatch, wo
     assert [o.output_token_ids for o in outputs] == reference(requests)
     check_counters(metrics, outputs, K)
     # D1 D2 R1 D3 R2 .. Dn R(n-1) R(n): never the host path's D R D R.
-    seq = "".join(order)
+    seq = "".join(o[0] for o in order)
     assert re.fullmatch(r"D(DR)+R", seq), seq
     c = engine._method_state.counters
     assert c["verified"] == sum(s.num_draft_tokens for s in metrics.steps)
