@@ -216,6 +216,9 @@ class VerifySkip(Method):
         or inner.host_capabilities().tree or isinstance(inner, VerifySkip):
       raise ValueError(f"drafter={self.drafter!r} must be a chain drafter Method (k >= 1, no "
                        "trees, not verify_skip itself; by name through methods.registry)")
+    if inner.num_speculative_tokens < self.k:
+      raise ValueError(f"k={self.k} must be <= its drafter's k="
+                       f"{inner.num_speculative_tokens} (it verifies at most what is drafted)")
     object.__setattr__(self, "_inner", inner)
     if not isinstance(self.host_path, bool):
       raise ValueError(f"host_path={self.host_path!r} must be a bool")

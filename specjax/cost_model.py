@@ -217,9 +217,17 @@ class CostModel:
     row, not bucket(5) + 1 = 9); None: no cap. Only ``query_padding="engine"`` reads it.
 
     Raises:
-      ValueError: a length above ``k``.
+      ValueError: ``lengths`` not a 1-D sequence of integers >= 0, ``k`` not an integer
+        >= 0, or a length above ``k``.
     """
-    lengths = np.asarray(lengths, np.int64)
+    raw = np.asarray(lengths)
+    if raw.ndim != 1 or (raw.size and (not np.issubdtype(raw.dtype, np.integer)
+                                       or raw.min() < 0)):
+      raise ValueError(f"lengths={raw.tolist()} must be a 1-D sequence of integers >= 0")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer))
+                          or k < 0):
+      raise ValueError(f"k={k!r} must be an integer >= 0 or None")
+    lengths = raw.astype(np.int64)
     if lengths.size == 0:
       return 0
     if k is not None and int(lengths.max()) > k:

@@ -602,9 +602,10 @@ class Engine:
     budgets = np.asarray([self._budget(st) for st in rows], np.int32)
     self._method_state, vplan = self.method.plan_verify(self._method_state, ids, budgets)
     caps = np.asarray(vplan.caps)
-    if caps.shape != (len(rows),) or (caps < 0).any() or (caps > self.k).any():
+    if (caps.shape != (len(rows),) or not np.issubdtype(caps.dtype, np.integer)
+        or (caps < 0).any() or (caps > self.k).any()):
       raise ValueError(f"method {self.method.name!r}: VerifyPlan.caps={caps.tolist()} must "
-                       f"hold one cap in [0, {self.k}] per row ({len(rows)} rows)")
+                       f"hold one integer cap in [0, {self.k}] per row ({len(rows)} rows)")
     return caps.astype(np.int32), vplan.info
 
   def _drain(self, sched, metrics, start) -> None:

@@ -225,9 +225,22 @@ class _HostPlanner(Method):
     raise AssertionError("never called")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Fractional(VerifySkip):
+  def plan_verify(self, state, request_ids, budgets):
+    state, vplan = super().plan_verify(state, request_ids, budgets)
+    return state, dataclasses.replace(vplan, caps=np.full(len(vplan.caps), 2.7))
+
+
 def test_bad_plans_are_refused(make_engine):
-  with pytest.raises(ValueError, match=r"VerifyPlan.caps=\[5\] must hold one cap in \[0, 4\]"):
+  bad = r"must hold one integer cap in \[0, 4\]"
+  with pytest.raises(ValueError, match=r"VerifyPlan.caps=\[5\] " + bad):
     make_engine(_TooLong(k=K, drafter=NGram(k=K))).generate(make_requests(1, 1))
+  with pytest.raises(ValueError, match=r"VerifyPlan.caps=\[2.7\] " + bad):  # not truncated
+    make_engine(_Fractional(k=K, drafter=NGram(k=K))).generate(make_requests(1, 1))
+  # A drafter that drafts fewer than k tokens is refused when built, not in the step.
+  with pytest.raises(ValueError, match="k=4 must be <= its drafter's k=2"):
+    VerifySkip(k=K, drafter=NGram(k=2))
   with pytest.raises(ValueError, match="plans_verify needs runs_on='fused'"):
     make_engine(_HostPlanner())
 

@@ -49,6 +49,12 @@ def test_step_time_by_hand():
   assert engine.query_tokens([2, 1], k=5) == 2 * 3
   with pytest.raises(ValueError, match="exceed the step's k=3"):
     engine.query_tokens([4, 1], k=3)
+  for bad in ([-5, 2], [1.7], [[1, 2], [3, 4]]):  # nothing truncated or flattened
+    with pytest.raises(ValueError, match="must be a 1-D sequence of integers >= 0"):
+      engine.query_tokens(bad)
+  for k in (2.5, -1, True):
+    with pytest.raises(ValueError, match="must be an integer >= 0 or None"):
+      engine.query_tokens([1], k=k)
 
 
 def test_verify_time_is_linear_verify_cost():
