@@ -178,6 +178,11 @@ class VerifySkip(Method):
     min_tokens: drafts always verified when present (0 or 1).
     host_path: run on the synchronous host path even over a fused drafter without
       draft probabilities (for comparison; module docstring).
+
+  Raises:
+    ValueError: an option out of range (named in the message), a drafter that is not a
+      chain ``Method`` with k >= ``k``, a ``TableVerifyCost`` whose lengths stop short of
+      ``k``; while running, a cost model time that is not finite and > 0.
   """
 
   name = "verify_skip"
@@ -219,6 +224,10 @@ class VerifySkip(Method):
     if inner.num_speculative_tokens < self.k:
       raise ValueError(f"k={self.k} must be <= its drafter's k="
                        f"{inner.num_speculative_tokens} (it verifies at most what is drafted)")
+    table_lengths = getattr(self.cost_model, "lengths", None)  # a TableVerifyCost
+    if table_lengths is not None and max(table_lengths) < self.k:
+      raise ValueError(f"cost_model lengths={tuple(table_lengths)} must reach k={self.k} "
+                       "(a verify of up to k drafts is priced)")
     object.__setattr__(self, "_inner", inner)
     if not isinstance(self.host_path, bool):
       raise ValueError(f"host_path={self.host_path!r} must be a bool")
@@ -264,7 +273,11 @@ class VerifySkip(Method):
     def cost(batch: int, length: int) -> float:  # T(B, L) is a pure function: memoized
       key = (batch, length)
       if key not in state.costs:
-        state.costs[key] = float(model(batch, length))
+        seconds = float(model(batch, length))
+        if not np.isfinite(seconds) or seconds <= 0:
+          raise ValueError(f"cost_model={_label(model)} gave T({batch}, {length})={seconds}; "
+                           "step seconds must be finite and > 0")
+        state.costs[key] = seconds
       return state.costs[key]
 
     survival = np.cumprod(self._estimate(state.accept, state.reach))

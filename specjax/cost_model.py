@@ -365,7 +365,8 @@ class TableVerifyCost:
   points) measured batches; a length between measured ones takes the next larger one.
 
   Raises:
-    ValueError: shapes disagree, axes not increasing, or a length past the table.
+    ValueError: shapes disagree, axes not increasing, a time not finite and > 0, or a
+      length past the table.
   """
 
   batches: tuple[int, ...]
@@ -379,6 +380,8 @@ class TableVerifyCost:
                        f"({len(self.batches)}, {len(self.lengths)})")
     if np.any(np.diff(self.batches) <= 0) or np.any(np.diff(self.lengths) <= 0):
       raise ValueError(f"batches={self.batches} and lengths={self.lengths} must increase")
+    if not np.all(np.isfinite(s)) or np.any(s <= 0):
+      raise ValueError(f"seconds={s.tolist()} must all be finite and > 0")
 
   def __call__(self, batch: int, length: int) -> float:
     j = int(np.searchsorted(self.lengths, length))

@@ -19,7 +19,7 @@ from e2e_lib import (
 )
 
 from methods.registry import make_method
-from methods.verify_skip import VerifySkip, choose_cap, length_buckets
+from methods.verify_skip import VerifySkip, VerifySkipState, choose_cap, length_buckets
 from specjax.cost_model import LinearVerifyCost, TableVerifyCost, preset
 
 
@@ -82,6 +82,19 @@ def test_bad_options_are_refused():
     VerifySkip(cost_model=3)
   with pytest.raises(ValueError, match="must be a preset"):
     VerifySkip(cost_model="no-such-model")
+  with pytest.raises(ValueError, match=r"lengths=\(1, 2\) must reach k=4"):
+    make_method("verify_skip", 4, cost_model=TableVerifyCost(batches=(1,), lengths=(1, 2),
+                                                             seconds=((1.0, 2.0),)))
+  with pytest.raises(ValueError, match=r"must all be finite and > 0"):
+    TableVerifyCost(batches=(1,), lengths=(1,), seconds=((float("nan"),),))
+  # A callable's times are checked when the rule prices a cap (was a ZeroDivisionError
+  # at 0, and a negative or NaN time was taken).
+  for bad in (0.0, -1.0, float("nan")):
+    vs = make_method("verify_skip", 2, cost_model=lambda b, n, bad=bad: bad)
+    state = VerifySkipState(None, np.zeros(2), np.zeros(2), np.zeros((2, 4)),
+                            np.zeros((2, 4)), {}, {})
+    with pytest.raises(ValueError, match=r"gave T\(1, 1\)=.* must be finite and > 0"):
+      vs._stale_stage(state, np.array([2]))
   # A preset (specjax.cost_model) by name: its T(B, L) is the model's verify_time.
   seed = make_method("verify_skip", 4, cost_model="seed-llama8b-h100")
   assert seed.cost_model is preset("seed-llama8b-h100")
