@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import os
 from collections.abc import Callable, Sequence
 
@@ -35,6 +36,23 @@ from specjax.slots import init_slots, padded_rows, write_slots
 from specjax.steps import engine_step, forward_step
 
 __all__ = ["default_num_threads", "prefill_shapes", "precompile"]
+
+
+def _sampler_plans(engine, rows: list[RequestState], tree: bool) -> list[tuple]:
+  """Every ``(sampler, fused implementation)`` a step of ``rows``' requests can run:
+  a step holds any mix of the workload's sampling kinds (greedy, temperature only,
+  top-k / top-p), so each non-empty subset of the kinds present is planned (at most 7)."""
+  kinds = {}
+  for st in rows:
+    sp = st.request.sampling
+    kinds.setdefault((sp.greedy, bool(sp.top_k) or sp.top_p < 1), st)
+  plans = []
+  for n in range(1, len(kinds) + 1):
+    for subset in itertools.combinations(kinds.values(), n):
+      plan = engine._sampler_plan(list(subset), tree)[:2]
+      if plan not in plans:
+        plans.append(plan)
+  return plans
 
 
 def default_num_threads() -> int:
@@ -98,7 +116,7 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
                                                        for i in range(1, engine.k + 1)})]
   rows = [RequestState(r, np.zeros(2, np.uint32), list(r.prompt_token_ids)) for r in requests]
   tree = engine.fused and engine.caps.tree
-  sampler, fused, _ = engine._sampler_plan(rows, tree)
+  samplers = _sampler_plans(engine, rows, tree)
   engine.slots = engine._commit(init_slots(cfg.max_num_seqs, cfg.max_model_len,
                                            engine._num_stop_ids(requests),
                                            replay=cfg.acceptance_replay,
@@ -118,7 +136,7 @@ def precompile(engine, requests: Sequence[Request], num_threads: int | None = No
   if steps_run:
     for batch in batches:
       for width in widths:
-        for length, host in plans:
+        for (length, host), (sampler, fused) in itertools.product(plans, samplers):
           plan = engine._plan(sampler, fused, length, tree=tree and not host, host=host,
                               iterations=1 if host else cfg.steps_per_dispatch)
           sb = build_batch(batch=batch, width=width, length=length if host else 0,

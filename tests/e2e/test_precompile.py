@@ -155,3 +155,16 @@ def test_decode_batch_sizes_pad_every_step_to_the_listed_sizes(make_engine, refe
       assert {s.batch_bucket for s in metrics.steps} == {4}
       assert min(s.num_rows for s in metrics.steps) < 4  # the drain ran padded
   assert shapes[None] > shapes[(4,)] > 0, shapes
+
+
+def test_mixed_sampling_compiles_nothing_after_precompile(make_engine):
+  """Greedy, temperature and top-k requests on 2 slots: a step can hold any mix of them
+  (greedy only, fused, jnp, fused+jnp samplers); each is precompiled (only the whole
+  workload's mix was before: the greedy-only steps compiled in the run)."""
+  requests = (make_requests(34, 3, prefix="g")
+              + make_requests(35, 3, prefix="t", temperature=0.8, seed=1)
+              + make_requests(36, 2, prefix="k", temperature=0.8, top_k=5, seed=2))
+  engine = make_engine(NGram(k=3), ENGINE_CONFIG.replace(max_num_seqs=2))
+  assert engine.precompile(requests, num_threads=1) > 0
+  _, metrics = engine.generate(requests)
+  assert metrics.num_compiles == 0 and not any(s.compiled for s in metrics.steps)
