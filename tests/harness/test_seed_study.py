@@ -202,3 +202,31 @@ def test_a_report_simulates_each_batch_size_with_its_recorded_occupancy(tmp_path
   both = pd.concat([measured, measured.assign(point="ar", min_occupancy=1.0)])
   with pytest.raises(ValueError, match=r"gsm8k batch 4: rows record min_occupancy \[0.5, 1.0\]"):
     seed_study.simulate_points(both, [path], cost, **opts)
+
+
+def test_baselines_are_the_mean_of_their_repeats():
+  """c and verify_share divide by the mean AR / zero-cost step of the same file and
+  batch, not the repeat of the same index (AR's repeats run minutes before a point's):
+  rows written with paired baselines are rebased, and one slow AR repeat no longer
+  spreads every point."""
+  rows = [dict(data="d", batch=4, point="ar", drafter="constant", L=0, repeat=r, tau=1.0,
+               step_ms=s, c=1.0, speedup=1.0, verify_share=np.nan)
+          for r, s in enumerate((10.0, 10.0, 13.0))]
+  rows += [dict(data="d", batch=4, point="ngram_k3", drafter="constant", L=3, repeat=r,
+                tau=2.0, step_ms=12.0, c=12.0 / a, speedup=2.0 * a / 12.0, verify_share=1.0)
+           for r, a in enumerate((10.0, 10.0, 13.0))]
+  rows += [dict(data="d", batch=4, point="eagle3_k3", drafter="eagle3", L=3, repeat=r,
+                tau=3.0, step_ms=16.0, c=16.0 / a, speedup=3.0 * a / 16.0, verify_share=0.75)
+           for r, a in enumerate((10.0, 10.0, 13.0))]
+  rows.append(dict(data="e", batch=4, point="ngram_k3", drafter="constant", L=3, repeat=0,
+                   tau=2.0, step_ms=9.0, c=0.9, speedup=2.2, verify_share=1.0))  # no AR
+  out = seed_study.rebase_on_mean_baselines(pd.DataFrame(rows))
+  ng = out[(out.point == "ngram_k3") & (out.data == "d")]
+  np.testing.assert_allclose(ng.c, 12.0 / 11.0)
+  np.testing.assert_allclose(ng.speedup, 2.0 * 11.0 / 12.0)
+  np.testing.assert_allclose(out[out.point == "ar"].c, [10 / 11, 10 / 11, 13 / 11])
+  np.testing.assert_allclose(out[out.point == "eagle3_k3"].verify_share, 0.75)
+  assert out[out.data == "e"].c.item() == 0.9  # kept: nothing to rebase on
+  table = seed_study.summary_table(pd.DataFrame(rows).assign(num_requests=8, full_steps=5))
+  row = table[(table.point == "eagle3_k3") & (table.data == "d")].iloc[0]
+  assert row.speedup == pytest.approx(3.0 * 11.0 / 16.0) and row.speedup_std == 0.0
