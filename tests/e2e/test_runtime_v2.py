@@ -112,6 +112,14 @@ def test_build_batch_roundtrip():
   assert int(b.slots[0]) == 3 and np.asarray(b.drafts)[0].tolist() == [42, -1]
   with pytest.raises(ValueError, match="num_draft"):
     build_batch(batch=1, width=4, length=1, page_tables=[[1]], slots=[0], num_draft=[2])
+  # Ragged tables (empty rows too) land row by row; too many pages name the row.
+  sb = build_batch(batch=4, width=3, length=0, page_tables=[[5], [], [1, 2, 3]],
+                   slots=[0, 1, 2])
+  assert sb.ints[:, :3].tolist() == [[5, -1, -1], [-1, -1, -1], [1, 2, 3], [-1, -1, -1]]
+  with pytest.raises(ValueError, match=r"row 1 has 4 pages; the step's table holds width=3"):
+    build_batch(batch=2, width=3, length=0, page_tables=[[1], [1, 2, 3, 4]], slots=[0, 1])
+  assert build_batch(batch=2, width=3, length=0, page_tables=[], slots=[]).ints.tolist() == \
+      [[-1, -1, -1, -1, 0]] * 2
 
 
 def test_commit_rows_eos_inside_accepted_run():
