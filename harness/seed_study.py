@@ -191,17 +191,19 @@ def engine_groups(points) -> list[list[Point]]:
 def _mean_of(times: dict, *key) -> float:
   """Mean of ``times`` over the repeats of ``key`` (its keys are ``(*key, repeat)``);
   NaN if none was measured yet."""
-  hits = [v for k, v in times.items() if k[:-1] == key]
+  hits = [v for k, v in times.items() if k[:-1] == key and np.isfinite(v)]
   return float(np.mean(hits)) if hits else float("nan")
 
 
 def rebase_on_mean_baselines(frame: pd.DataFrame) -> pd.DataFrame:
   """``frame`` (``measure_study`` rows, any run) with ``c`` = step_ms / the mean AR
-  step_ms of its (data, batch), ``speedup`` = tau / c and, where ``verify_share`` is
-  defined, the mean zero-cost (``drafter == "constant"``) step_ms of its (data, batch,
-  L) / step_ms: rows written before the baselines were means (paired with the AR repeat
-  of the same index) get today's definition. A (data, batch) without AR rows keeps its
-  values."""
+  step_ms of its (data, batch) (NaN repeats left out), ``speedup`` = tau / c and
+  ``verify_share`` = 1 for the zero-cost rows (``drafter == "constant"``, L > 0), else
+  for a row with L > 0 not on the host path (``HOST_PATH``) the mean zero-cost step_ms
+  of its (data, batch, L) / step_ms, also where the zero-cost point ran after it: rows
+  written before the baselines were means (paired with the AR repeat of the same index)
+  get today's definition. A (data, batch) without AR rows keeps its c and speedup, a
+  row without a zero-cost point at its L its verify_share."""
   out = frame.copy()
   ar = out[out.point == "ar"].groupby(["data", "batch"]).step_ms.mean()
   base = np.asarray([ar.get((d, b), np.nan) for d, b in zip(out.data, out.batch)])
@@ -209,12 +211,13 @@ def rebase_on_mean_baselines(frame: pd.DataFrame) -> pd.DataFrame:
   out.loc[has, "c"] = out.step_ms[has] / base[has]
   out.loc[has, "speedup"] = out.tau[has] / out.c[has]
   if "verify_share" in out and "drafter" in out:
-    zero = out[(out.drafter == "constant") & (out.L > 0)].groupby(
-        ["data", "batch", "L"]).step_ms.mean()
+    zero_rows = ((out.drafter == "constant") & (out.L > 0)).to_numpy()
+    zero = out[zero_rows].groupby(["data", "batch", "L"]).step_ms.mean()
     z = np.asarray([zero.get((d, b, n), np.nan)
                     for d, b, n in zip(out.data, out.batch, out.L)])
-    fix = out.verify_share.notna().to_numpy() & np.isfinite(z)
+    fix = ((out.L > 0) & ~out.drafter.isin(HOST_PATH)).to_numpy() & np.isfinite(z)
     out.loc[fix, "verify_share"] = z[fix] / out.step_ms[fix]
+    out.loc[zero_rows, "verify_share"] = 1.0
   return out
 
 
@@ -319,10 +322,15 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
                        for k, v in row.items() if k in (
                            "data", "batch", "point", "repeat", "full_steps", "tau",
                            "step_ms", "c", "speedup", "num_compiles", "warmup_s")))
-          if cfg.csv_path:
+          if cfg.csv_path:  # as it goes (a cut job keeps its rows), rebased at the end
             pd.DataFrame(rows).to_csv(cfg.csv_path, index=False)
       del engine
-  return pd.DataFrame(rows)
+  # The AR rows' own c (and points measured before their zero-cost point) against the
+  # baselines' final means, not the running ones.
+  frame = rebase_on_mean_baselines(pd.DataFrame(rows))
+  if cfg.csv_path:
+    frame.to_csv(cfg.csv_path, index=False)
+  return frame
 
 
 def adaptive_requests(records, data: str, combined):
@@ -381,8 +389,8 @@ def verify_skip_method(k: int, batch: int, ar_ms: dict, zero_ms: dict):
   if not ar_ms or k not in lengths:
     raise ValueError(f"verify_skip_k{k} needs the ar and ngram_k{k} points measured before "
                      f"it at batch {batch}; have L={lengths}")
-  seconds = [float(np.mean(list(ar_ms.values())))] + [
-      float(np.mean([v for (_, n, _), v in zero_ms.items() if n == m])) for m in lengths]
+  seconds = [float(np.nanmean(list(ar_ms.values())))] + [
+      float(np.nanmean([v for (_, n, _), v in zero_ms.items() if n == m])) for m in lengths]
   table = TableVerifyCost(batches=(batch,), lengths=(0, *lengths),
                           seconds=(tuple(v / 1e3 for v in seconds),))
   return VerifySkip(k=k, drafter=ConstantDrafter(k=k, device=True), cost_model=table)

@@ -226,7 +226,28 @@ def test_baselines_are_the_mean_of_their_repeats():
   np.testing.assert_allclose(ng.speedup, 2.0 * 11.0 / 12.0)
   np.testing.assert_allclose(out[out.point == "ar"].c, [10 / 11, 10 / 11, 13 / 11])
   np.testing.assert_allclose(out[out.point == "eagle3_k3"].verify_share, 0.75)
+  # A verify share the run could not fill (its zero-cost point ran later) is filled; the
+  # zero-cost rows' own is 1; a NaN AR repeat (no full-batch step) is left out.
+  late = pd.DataFrame(rows).assign(verify_share=lambda f: f.verify_share.where(
+      f.point != "eagle3_k3"))
+  np.testing.assert_allclose(
+      seed_study.rebase_on_mean_baselines(late).query("point == 'eagle3_k3'").verify_share, 0.75)
+  assert (out[out.point == "ngram_k3"].verify_share == 1.0).all()
+  nan_ar = pd.DataFrame(rows)
+  nan_ar.loc[2, "step_ms"] = np.nan
+  np.testing.assert_allclose(seed_study.rebase_on_mean_baselines(nan_ar).query(
+      "point == 'ngram_k3' and data == 'd'").c, 12.0 / 10.0)
+  assert seed_study._mean_of({("d", 0): 10.0, ("d", 1): np.nan, ("d", 2): 12.0}, "d") == 11.0
   assert out[out.data == "e"].c.item() == 0.9  # kept: nothing to rebase on
   table = seed_study.summary_table(pd.DataFrame(rows).assign(num_requests=8, full_steps=5))
   row = table[(table.point == "eagle3_k3") & (table.data == "d")].iloc[0]
   assert row.speedup == pytest.approx(3.0 * 11.0 / 16.0) and row.speedup_std == 0.0
+
+
+def test_verify_skip_cost_table_leaves_out_runs_without_full_steps():
+  """A repeat with no full-batch step (NaN step_ms) is left out of verify skipping's
+  measured cost table (it stopped the study at the verify_skip point)."""
+  method = seed_study.verify_skip_method(
+      3, 4, {("d", 0): float("nan"), ("d", 1): 10.0},
+      {("d", 1, 0): 11.0, ("d", 3, 0): float("nan"), ("d", 3, 1): 13.0})
+  assert method.cost_model.seconds == ((0.010, 0.011, 0.013),)
