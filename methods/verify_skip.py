@@ -273,9 +273,13 @@ class VerifySkip(Method):
     def cost(batch: int, length: int) -> float:  # T(B, L) is a pure function: memoized
       key = (batch, length)
       if key not in state.costs:
-        seconds = float(model(batch, length))
+        value = model(batch, length)
+        try:
+          seconds = float(value)
+        except (TypeError, ValueError):
+          seconds = float("nan")
         if not np.isfinite(seconds) or seconds <= 0:
-          raise ValueError(f"cost_model={_label(model)} gave T({batch}, {length})={seconds}; "
+          raise ValueError(f"cost_model={_label(model)} gave T({batch}, {length})={value!r}; "
                            "step seconds must be finite and > 0")
         state.costs[key] = seconds
       return state.costs[key]

@@ -365,8 +365,8 @@ class TableVerifyCost:
   points) measured batches; a length between measured ones takes the next larger one.
 
   Raises:
-    ValueError: shapes disagree, axes not increasing, a time not finite and > 0, or a
-      length past the table.
+    ValueError: shapes disagree, batches not integers >= 1 or lengths not integers >= 0,
+      axes not increasing, a time not finite and > 0, or a length past the table.
   """
 
   batches: tuple[int, ...]
@@ -374,6 +374,14 @@ class TableVerifyCost:
   seconds: tuple[tuple[float, ...], ...]
 
   def __post_init__(self):
+    for name, low in (("batches", 1), ("lengths", 0)):
+      axis = tuple(getattr(self, name))
+      if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= low
+                 for v in axis):
+        raise ValueError(f"{name}={axis} must be integers >= {low}")
+      object.__setattr__(self, name, tuple(int(v) for v in axis))
+    object.__setattr__(self, "seconds", tuple(tuple(float(v) for v in row)
+                                              for row in self.seconds))
     s = np.asarray(self.seconds, np.float64)
     if s.shape != (len(self.batches), len(self.lengths)) or not s.size:
       raise ValueError(f"seconds shape {s.shape} must be (len(batches), len(lengths)) = "

@@ -87,9 +87,16 @@ def test_bad_options_are_refused():
                                                              seconds=((1.0, 2.0),)))
   with pytest.raises(ValueError, match=r"must all be finite and > 0"):
     TableVerifyCost(batches=(1,), lengths=(1,), seconds=((float("nan"),),))
+  with pytest.raises(ValueError, match=r"^batches=\(0,\) must be integers >= 1"):
+    TableVerifyCost(batches=(0,), lengths=(1,), seconds=((1.0,),))
+  with pytest.raises(ValueError, match=r"^lengths=\(1, 4.5\) must be integers >= 0"):
+    TableVerifyCost(batches=(1,), lengths=(1, 4.5), seconds=((1.0, 2.0),))
+  # Lists and numpy arrays are stored as tuples: the method stays hashable (static jit).
+  listed = TableVerifyCost(batches=[1], lengths=np.array([1, 2]), seconds=np.ones((1, 2)))
+  assert listed.lengths == (1, 2) and hash(make_method("verify_skip", 2, cost_model=listed))
   # A callable's times are checked when the rule prices a cap (was a ZeroDivisionError
   # at 0, and a negative or NaN time was taken).
-  for bad in (0.0, -1.0, float("nan")):
+  for bad in (0.0, -1.0, float("nan"), None, np.array([1.0, 2.0])):
     vs = make_method("verify_skip", 2, cost_model=lambda b, n, bad=bad: bad)
     state = VerifySkipState(None, np.zeros(2), np.zeros(2), np.zeros((2, 4)),
                             np.zeros((2, 4)), {}, {})
