@@ -232,7 +232,20 @@ def greedy_reference(model: SplitModel, requests, eos_ids=()) -> list[list[int]]
 
 # ---------------------------------------------------------------- scripted drafter
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ScriptedDrafter(Method):
+class _Scripted(Method):
+  """The options of the scripted drafters (host and fused)."""
+
+  k: int = K
+  script: tuple = ()
+  num_right: int | None = None
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    return self.k
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScriptedDrafter(_Scripted):
   """Test-only drafter that replays a known greedy continuation.
 
   Attributes:
@@ -244,13 +257,6 @@ class ScriptedDrafter(Method):
   """
 
   name = "scripted"
-  k: int = K
-  script: tuple = ()
-  num_right: int | None = None
-
-  @property
-  def num_speculative_tokens(self) -> int:
-    return self.k
 
   def propose(self, state, context):
     table = {rid: (p, cont) for rid, p, cont in self.script}
@@ -294,7 +300,7 @@ class TableDrafter(Method):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ScriptedDeviceDrafter(Method):
+class ScriptedDeviceDrafter(_Scripted):
   """``ScriptedDrafter`` as a fused proposer (pure jnp): a row whose tokens are the first
   n of a script's prompt + continuation drafts the next ``budget`` tokens of it, right
   for the first ``num_right`` (None: all) and ``(right + 1) % VOCAB`` after; a row
@@ -307,13 +313,6 @@ class ScriptedDeviceDrafter(Method):
   """
 
   name = "scripted_device"
-  k: int = K
-  script: tuple = ()
-  num_right: int | None = None
-
-  @property
-  def num_speculative_tokens(self) -> int:
-    return self.k
 
   def capabilities(self):
     return Capabilities(runs_on="fused")
