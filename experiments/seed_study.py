@@ -136,7 +136,8 @@ def _report(measured: pd.DataFrame, points) -> None:
   from harness import plots  # noqa: PLC0415
 
   both = seed_study.simulate_points(
-      seed_study.rebase_on_mean_baselines(measured), _TRACES.value, cost_model.load(_COST.value), points=points,
+      seed_study.rebase_on_mean_baselines(measured), _TRACES.value,
+      cost_model.load(_COST.value), points=points,
       **_simulator_options(None))  # each batch size as its rows were measured
   both.to_csv(os.path.join(_OUT.value, "seed_study_vs_sim.csv"), index=False)
   table = seed_study.summary_table(both)

@@ -47,8 +47,8 @@ adaptive point's share of drafting rows per member; ``verify_share`` = the mean 
 zero-cost drafter's repeats at the same k / this point's step (the time not spent
 drafting). The baselines are means, not the repeat of the same index: the repeats of
 AR run minutes before a point's, so pairing them by index only adds AR's run-to-run
-spread to every point's (``rebase_on_mean_baselines``). Per batch size each engine (``engine_groups``) is warmed up once by
-``Engine.precompile`` (every shape of every file's requests), then ``repeats`` measured
+spread to every point's (``rebase_on_mean_baselines``). Per batch size each engine
+(``engine_groups``) is warmed up once by ``Engine.precompile`` (every shape of every file's requests), then ``repeats`` measured
 runs per point and file, each a row, each starting from a cleared method cache (adaptive's
 estimates are learned afresh in every run: no file or repeat inherits another's).
 
