@@ -48,9 +48,10 @@ zero-cost drafter's repeats at the same k / this point's step (the time not spen
 drafting). The baselines are means, not the repeat of the same index: the repeats of
 AR run minutes before a point's, so pairing them by index only adds AR's run-to-run
 spread to every point's (``rebase_on_mean_baselines``). Per batch size each engine
-(``engine_groups``) is warmed up once by ``Engine.precompile`` (every shape of every file's requests), then ``repeats`` measured
-runs per point and file, each a row, each starting from a cleared method cache (adaptive's
-estimates are learned afresh in every run: no file or repeat inherits another's).
+(``engine_groups``) is warmed up once by ``Engine.precompile`` (every shape of every
+file's requests), then ``repeats`` measured runs per point and file, each a row, each
+starting from a cleared method cache (adaptive's estimates are learned afresh in every
+run: no file or repeat inherits another's).
 
 ``simulate_points`` adds, per point, what the trace simulators print for it: specjax
 semantics (``harness.simulator.simulate``, the same requests, continuous batching) and
