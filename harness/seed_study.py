@@ -80,9 +80,9 @@ __all__ = ["EAGLE", "NGRAM", "Point", "StudyConfig", "combined_records", "draft_
 EAGLE, NGRAM = "eagle", "ngram"  # the seed files' trace names
 COMBINED = "eagle+ngram"
 ADAPTIVE = "ngram|eagle"  # the adaptive point's requests: one trace per member
-# Drafters whose points have no verify_share: adaptive (host path) and verify skipping
-# (its verify length changes step to step).
-HOST_PATH = ("verify_skip", "adaptive")
+# Drafters whose points have no verify_share: their verify length changes step to step
+# (verify skipping's cap; adaptive's choice of member).
+NO_VERIFY_SHARE = ("verify_skip", "adaptive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,10 +200,10 @@ def rebase_on_mean_baselines(frame: pd.DataFrame) -> pd.DataFrame:
   """``frame`` (``measure_study`` rows, any run) with ``c`` = step_ms / the mean AR
   step_ms of its (data, batch) (NaN repeats left out), ``speedup`` = tau / c and
   ``verify_share`` = 1 for the zero-cost rows (``drafter == "constant"``, L > 0), else
-  for a row with L > 0 not on the host path (``HOST_PATH``) the mean zero-cost step_ms
-  of its (data, batch, L) / step_ms, also where the zero-cost point ran after it: rows
-  written before the baselines were means (paired with the AR repeat of the same index)
-  get today's definition. A (data, batch) without AR rows keeps its c and speedup, a
+  for a row with L > 0 of a drafter with a fixed verify length (not in
+  ``NO_VERIFY_SHARE``) the mean zero-cost step_ms of its (data, batch, L) / step_ms,
+  also where the zero-cost point ran after it: rows written before the baselines were
+  means (paired with the AR repeat of the same index) get today's definition. A (data, batch) without AR rows keeps its c and speedup, a
   row without a zero-cost point at its L its verify_share."""
   out = frame.copy()
   ar = out[out.point == "ar"].groupby(["data", "batch"]).step_ms.mean()
@@ -216,7 +216,7 @@ def rebase_on_mean_baselines(frame: pd.DataFrame) -> pd.DataFrame:
     zero = out[zero_rows].groupby(["data", "batch", "L"]).step_ms.mean()
     z = np.asarray([zero.get((d, b, n), np.nan)
                     for d, b, n in zip(out.data, out.batch, out.L)])
-    fix = ((out.L > 0) & ~out.drafter.isin(HOST_PATH)).to_numpy() & np.isfinite(z)
+    fix = ((out.L > 0) & ~out.drafter.isin(NO_VERIFY_SHARE)).to_numpy() & np.isfinite(z)
     out.loc[fix, "verify_share"] = z[fix] / out.step_ms[fix]
     out.loc[zero_rows, "verify_share"] = 1.0
   return out
@@ -309,7 +309,7 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
               tau=tau, step_ms=step_ms,
               **parts, c=c, speedup=tau / c,
               verify_share=_mean_of(zero_ms, data, p.length) / step_ms
-              if p.length and p.drafter not in HOST_PATH else float("nan"),
+              if p.length and p.drafter not in NO_VERIFY_SHARE else float("nan"),
               adaptive_choice=_choice(method, engine) if p.drafter == "adaptive" else "",
               mean_verify_width=float(np.mean([s.query_bucket - 1 for s in full]))
               if full else float("nan"),
