@@ -282,8 +282,11 @@ def seed_study_figure(table: pd.DataFrame, path: str) -> None:
               ylabel="zero-cost drafter step / SD step",
               title="share of the SD step spent verifying")
   axes[1].legend(fontsize=7)
+  # The SD points' repeats (AR's may be more: one baseline per run of the study).
+  reps = table.repeats[table.point != "ar"] if (table.point != "ar").any() else table.repeats
+  lo, hi = int(reps.min()), int(reps.max())
   fig.suptitle(f"{table.data.iloc[0]}: seed traces replayed, "
-               f"{int(table.repeats.max())} repeat(s)")
+               f"{lo if lo == hi else f'{lo}-{hi}'} repeat(s)")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

@@ -209,8 +209,9 @@ def rebase_on_mean_baselines(frame: pd.DataFrame) -> pd.DataFrame:
   ar = out[out.point == "ar"].groupby(["data", "batch"]).step_ms.mean()
   base = np.asarray([ar.get((d, b), np.nan) for d, b in zip(out.data, out.batch)])
   has = np.isfinite(base)
-  out.loc[has, "c"] = out.step_ms[has] / base[has]
-  out.loc[has, "speedup"] = out.tau[has] / out.c[has]
+  if has.any():
+    out.loc[has, "c"] = out.step_ms[has] / base[has]
+    out.loc[has, "speedup"] = out.tau[has] / out.c[has]
   if "verify_share" in out and "drafter" in out:
     zero_rows = ((out.drafter == "constant") & (out.L > 0)).to_numpy()
     zero = out[zero_rows].groupby(["data", "batch", "L"]).step_ms.mean()
@@ -493,9 +494,10 @@ def draft_cost_points(measured: pd.DataFrame) -> pd.DataFrame:
   """The EAGLE-3 head's draft time per step, from ``measure_study`` rows, as
   ``harness.cost_fit.fit``'s evaluation rows (columns method = ``EAGLE``, batch_size, k,
   draft_ms, model, draft, device): each ``eagle3_k{k}`` row's step minus the zero-cost
-  drafter's at the same file, batch size, k and repeat (``step_ms * (1 - verify_share)``;
-  its fused step has no ``draft_ms`` of its own). Rows without a ``verify_share`` are
-  skipped."""
+  drafter's mean at the same file, batch size and k (``step_ms * (1 - verify_share)``
+  after ``rebase_on_mean_baselines``, so rows of several runs combine; its fused step has
+  no ``draft_ms`` of its own). Rows without a ``verify_share`` are skipped."""
+  measured = rebase_on_mean_baselines(measured)
   rows = measured[measured.point.str.fullmatch(r"eagle3_k\d+")
                   & np.isfinite(measured.verify_share.astype(float))]
   return pd.DataFrame({

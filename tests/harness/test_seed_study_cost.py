@@ -51,6 +51,21 @@ def test_draft_cost_points_are_the_eagle3_step_less_the_zero_cost_step():
   np.testing.assert_allclose(points.draft_ms, want, rtol=1e-12)
 
 
+def test_draft_cost_points_combine_runs_through_the_mean_zero_cost_step():
+  # Two runs: the zero-cost points in one (two repeats), the EAGLE-3 points in another,
+  # measured without a verify_share of their own.
+  rows = _study_rows()
+  rows["drafter"] = np.where(rows.point.str.startswith("ngram"), "constant", "eagle3")
+  zero = rows[rows.drafter == "constant"]
+  again = zero.assign(repeat=1, step_ms=zero.step_ms + 0.2)
+  zero = zero.assign(step_ms=zero.step_ms - 0.2)
+  eagle = rows[rows.point.str.startswith("eagle3")].assign(verify_share=np.nan)
+  points = seed_study.draft_cost_points(pd.concat([zero, again, eagle], ignore_index=True))
+  assert len(points) == 18
+  want = [_draft_ms(b, k) for b, k in zip(points.batch_size, points.k)]
+  np.testing.assert_allclose(points.draft_ms, want, rtol=1e-12)
+
+
 def test_fit_cost_model_recovers_the_draft_cost_and_charges_ngram_nothing():
   model = seed_study.fit_cost_model([_loop_frame()], _study_rows(), new_tokens=64, name="t")
   eagle = model.draft(seed_study.EAGLE)
