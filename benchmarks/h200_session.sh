@@ -115,6 +115,12 @@ for step in "$@"; do
       # back; (2)-(4) the rest of greedy, batch 1, 4, 16 (MT_METHODS: what is left, MT_TAG);
       # (5)-(6) T = 0.8. If only four fit: T = 0.8 at batch 1 and 16 only, without
       # layerskip@e15, @e22, hsddw and sv (13 engines, ~250 s less a run).
+      # Smoke-run on the 2-core CPU (2026-12-07; every method, T = 0 and 0.8, rc 0, ~4 min
+      # a temperature): train_heads with SPECJAX_CACHE=<a scratch copy of the cache>
+      # TRAIN_ARGS="--data=../shared/datasets/sharegpt/sharegpt_v3_first500.jsonl
+      # --num_prompts=12 --num_held_out=4 --max_new_tokens=16 --gen_batch_size=4 --steps=2
+      # --batch_size=2", then this step with MT_BATCHES=1
+      # EVAL_ARGS="--num_prompts=2 --max_new_tokens=16 --repeats=1".
       hp='"head_path": "smollm2-135m-eagle3", "matmul_precision": "default"'
       for temp in ${MT_TEMPS:-0 0.8}; do
         for b in ${MT_BATCHES:-1 4 16}; do
