@@ -283,7 +283,8 @@ def seed_study_figure(table: pd.DataFrame, path: str) -> None:
               title="share of the SD step spent verifying")
   axes[1].legend(fontsize=7)
   # The SD points' repeats (AR's may be more: one baseline per run of the study).
-  reps = table.repeats[table.point != "ar"] if (table.point != "ar").any() else table.repeats
+  reps = table.repeats[table.point != "ar"]
+  reps = reps if len(reps) else table.repeats
   lo, hi = int(reps.min()), int(reps.max())
   fig.suptitle(f"{table.data.iloc[0]}: seed traces replayed, "
                f"{lo if lo == hi else f'{lo}-{hi}'} repeat(s)")

@@ -203,8 +203,9 @@ def rebase_on_mean_baselines(frame: pd.DataFrame) -> pd.DataFrame:
   for a row with L > 0 of a drafter with a fixed verify length (not in
   ``NO_VERIFY_SHARE``) the mean zero-cost step_ms of its (data, batch, L) / step_ms,
   also where the zero-cost point ran after it: rows written before the baselines were
-  means (paired with the AR repeat of the same index) get today's definition. A (data, batch) without AR rows keeps its c and speedup, a
-  row without a zero-cost point at its L its verify_share."""
+  means (paired with the AR repeat of the same index) get today's definition. A (data,
+  batch) without AR rows keeps its c and speedup, a row without a zero-cost point at its
+  L its verify_share."""
   out = frame.copy()
   ar = out[out.point == "ar"].groupby(["data", "batch"]).step_ms.mean()
   base = np.asarray([ar.get((d, b), np.nan) for d, b in zip(out.data, out.batch)])
