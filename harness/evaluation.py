@@ -8,8 +8,8 @@ verify shape the measured passes can meet, then a batch of the shortest prompts 
 most ``warmup_tokens`` new tokens compiles what is left (``_warmup_requests``; without
 precompile, one request per prefill-length bucket, and decode buckets first reached
 later compile in the measured pass, where those steps are flagged and left out of the
-timings),
-then ``repeats`` measured passes. Each measured pass of each method gives one row.
+timings); a method that calls its own jitted functions from the host warms up on the
+whole workload instead (``_engine_warmup_requests``), then ``repeats`` measured passes. Each measured pass of each method gives one row.
 
 Definitions (per row; see ``specjax.metrics``):
 
@@ -692,8 +692,7 @@ def _static_columns(cfg: EvalConfig, workload: _Workload, target_split, mesh) ->
 def _warmup_requests(cfg: EvalConfig, workload: _Workload) -> list[Request]:
   """Warm-up phase's requests, each capped at ``cfg.warmup_tokens`` new tokens (None:
   uncapped). With ``cfg.precompile`` every prefill, decode and verify shape is compiled
-  before this pass, which only has what is left to compile (slot admission, a method's
-  own host-called functions): a batch of the largest batch size of the shortest prompts
+  before this pass, which only has what is left to compile (slot admission): a batch of the largest batch size of the shortest prompts
   (``_shortest``). Without it, ``_warmup_subset`` (one request per prefill-length bucket,
   then up to a batch of the largest batch size) compiles the prefill shapes too."""
   warm_tokens = min(workload.new_tokens, cfg.warmup_tokens or workload.new_tokens)
@@ -815,23 +814,35 @@ def _warmup_pass(cfg: EvalConfig, engines: Mapping[str, Engine], requests: Seque
                  warm_requests: Sequence[Request], batch: int, bar) -> dict[str, float]:
   """Warm-up phase, untimed: per engine, precompile every step shape the measured
   passes can meet (``cfg.precompile``, in ``cfg.precompile_threads`` threads), then run
-  ``warm_requests`` (compiling what is left: slot admission, a method's own host-called
-  functions), then clear the method's cross-request cache. Returns each engine's wall
-  seconds."""
+  ``warm_requests`` (compiling what is left: slot admission), or the whole workload for a
+  method with host-called jitted functions (``_engine_warmup_requests``), then clear the
+  method's cross-request cache. Returns each engine's wall seconds."""
   seconds = {}
-  warm_budget = sum(r.sampling.max_tokens for r in warm_requests)
   for name, engine in engines.items():
     t0 = time.perf_counter()
-    bar.start(f"warm-up {name} b={batch}", warm_budget)
+    warm = _engine_warmup_requests(engine, requests, warm_requests)
+    bar.start(f"warm-up {name} b={batch}", sum(r.sampling.max_tokens for r in warm))
     if cfg.precompile:
       engine.precompile(_fit(engine, requests), num_threads=cfg.precompile_threads)
-    engine.generate(_fit(engine, warm_requests), progress=bar)
+    engine.generate(_fit(engine, warm), progress=bar)
     bar.finish()
     # Cross-request caches (suffix decoding's global tree, adaptive's estimates)
     # must not carry the warm-up's responses into the measured pass.
     engine.runtime.method_cache.clear()
     seconds[name] = time.perf_counter() - t0
   return seconds
+
+
+def _engine_warmup_requests(engine: Engine, requests: Sequence[Request],
+                            warm_requests: Sequence[Request]) -> Sequence[Request]:
+  """The warm-up pass's requests for ``engine``: ``warm_requests``, or the whole
+  measured workload ``requests`` for a method whose ``propose`` calls its own jitted
+  functions (``Capabilities.runs_on == "device"``: learned heads and draft models on the
+  host-called path, adaptive with such a member). Their shapes follow the prompts' prefill
+  chunks and the batch's rows, which ``Engine.precompile`` cannot enumerate, so only the
+  same workload compiles them all; a compile left to the measured pass would drop its
+  step from the timings and its requests from the latencies."""
+  return requests if engine.caps.runs_on == "device" else warm_requests
 
 
 def _measured_pass(engines: Mapping[str, Engine], requests: Sequence[Request], batch: int,

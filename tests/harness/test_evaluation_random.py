@@ -78,3 +78,16 @@ def test_cpu_executables_are_dropped_between_batch_sizes(monkeypatch):
   df = run_evaluation(cfg, progress=False, verbose=False)
   assert len(calls) == 2  # after batch 1 and after batch 2
   assert (df.num_compiles == 0).all() and df.lossless.dropna().all()
+
+
+def test_host_called_jitted_drafter_compiles_nothing_in_the_measured_pass():
+  """A method whose ``propose`` calls its own jitted functions (LayerSkip: runs_on
+  "device") warms up on the whole workload, so its measured pass compiles nothing and
+  keeps every request in the latencies; the capped warm-up of the shortest prompts left
+  its prefill-chunk and row-count shapes to the measured pass."""
+  cfg = EvalConfig(target="random:tiny", dataset="random", input_len=40,
+                   methods=("ar", "layerskip"), num_prompts=3, batch_sizes=(2,),
+                   max_new_tokens=12, repeats=1,
+                   method_options={"layerskip": {"exit_layer": 1}})
+  df = run_evaluation(cfg, progress=False, verbose=False).set_index("method")
+  assert df.num_compiles["layerskip"] == 0 and df.lossless["layerskip"]
