@@ -24,6 +24,7 @@ a padding row is ``[-1, -1, -1, -1, -1, 0, -1, -1]``:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -54,13 +55,14 @@ class StepBatch:
   length: int
 
 
-def build_batch(*, batch: int, width: int, length: int, page_tables: list[list[int]],
+def build_batch(*, batch: int, width: int, length: int, page_tables: Sequence,
                 slots, num_draft=None, drafts=None, replay_source=None,
                 verify_caps=None) -> StepBatch:
   """Packs ``len(page_tables)`` real rows into a ``StepBatch`` of ``batch`` rows.
 
   Args:
-    page_tables: per row, its page ids (at most ``width``).
+    page_tables: per row, its page ids (at most ``width``; a list or an ``i32`` array such as
+      ``RequestState.page_array()``).
     slots: per row, its decode slot.
     num_draft, drafts: per row, host draft counts and ``i32[rows, length]`` tokens (None:
       no host drafts).

@@ -266,7 +266,7 @@ class Engine:
       tokens[i, : e - s] = st.tokens[s:e]
       q_lens[i], kv_lens[i] = e - s, e
     width = self._pages_bucket([e for _, _, e in chunks])
-    meta = AttentionMetadata(page_table([st.pages for st in rows], batch, width), kv_lens, q_lens)
+    meta = AttentionMetadata(page_table([st.page_array() for st in rows], batch, width), kv_lens, q_lens)
     snap = CompileMonitor.snapshot()
     t0 = time.perf_counter()
     self.kv_caches, logits, hidden = forward_step(
@@ -577,7 +577,7 @@ class Engine:
     tree = self.fused and self.caps.tree
     sampler, fused, _ = self._sampler_plan(rows, tree)
     sb = build_batch(batch=batch, width=width, length=0,
-                     page_tables=[st.pages[: pages_needed(n, cfg.page_size)]
+                     page_tables=[st.page_array()[: pages_needed(n, cfg.page_size)]
                                   for st, n in zip(rows, ends)],
                      slots=[st.slot for st in rows], verify_caps=caps)
     plan = self._plan(sampler, fused, length, tree=tree, host=False, iterations=iterations)
@@ -734,7 +734,7 @@ class Engine:
     batch = cfg.decode_batch(len(rows))
     width = self._pages_bucket([len(st.tokens) + budgets[st.request.request_id]
                                 for st in rows])
-    table = page_table([st.pages for st in rows], batch, width)
+    table = page_table([st.page_array() for st in rows], batch, width)
     temp = np.zeros(batch, np.float32)
     top_k = np.zeros(batch, np.int32)
     top_p = np.ones(batch, np.float32)
@@ -784,7 +784,7 @@ class Engine:
     sampler, fused, _ = self._sampler_plan(rows, is_tree)
     sb = build_batch(
         batch=batch, width=width, length=length,
-        page_tables=[st.pages[: pages_needed(n + int(d), cfg.page_size)]
+        page_tables=[st.page_array()[: pages_needed(n + int(d), cfg.page_size)]
                      for st, n, d in zip(rows, lens, kept)],
         slots=[st.slot for st in rows], num_draft=kept, drafts=host_drafts,
         replay_source=self._replay_source(draft, len(rows)))

@@ -6,6 +6,8 @@ hands out page ids. Page 0.. ``num_pages - 1`` are real; -1 pads page tables.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 __all__ = ["PageAllocator", "pages_needed", "page_table"]
@@ -56,8 +58,9 @@ class PageAllocator:
       self._free.append(p)
 
 
-def page_table(page_lists: list[list[int]], num_rows: int, width: int) -> np.ndarray:
-  """``i32[num_rows, width]`` table, -1 padded; rows past ``len(page_lists)`` are all -1."""
+def page_table(page_lists: Sequence, num_rows: int, width: int) -> np.ndarray:
+  """``i32[num_rows, width]`` table, -1 padded; rows past ``len(page_lists)`` are all -1.
+  ``page_lists``: per row its page ids (a list or ``RequestState.page_array()``)."""
   table = np.full((num_rows, width), -1, np.int32)
   for i, pages in enumerate(page_lists):
     n = min(len(pages), width)

@@ -92,6 +92,8 @@ class RequestState:
   inflight_tokens: int = 0  # most tokens the steps in flight may still add
   _buffer: np.ndarray | None = dataclasses.field(default=None, repr=False)
   _buffered: int = 0
+  _page_buffer: np.ndarray | None = dataclasses.field(default=None, repr=False)
+  _pages_buffered: int = 0
 
   def token_array(self) -> np.ndarray:
     """``i32[len(tokens)]`` view of ``tokens`` kept in a growing numpy buffer: each call
@@ -109,6 +111,38 @@ class RequestState:
       self._buffer[self._buffered: n] = self.tokens[self._buffered:]
       self._buffered = n
     return self._buffer[:n]
+
+  def add_pages(self, pages: list[int]) -> None:
+    """Appends KV page ids to ``pages`` (the scheduler's allocations)."""
+    self.pages.extend(pages)
+
+  def drop_pages(self, keep: int = 0) -> list[int]:
+    """Cuts ``pages`` to its first ``keep`` ids; returns the ids cut (to free). Every
+    mutation of ``pages`` other than an append goes through here, so ``page_array``
+    knows which of its copied ids are still valid."""
+    dropped = self.pages[keep:]
+    del self.pages[keep:]
+    self._pages_buffered = min(self._pages_buffered, keep)
+    return dropped
+
+  def page_array(self) -> np.ndarray:
+    """``i32[len(pages)]`` view of ``pages`` kept in a growing numpy buffer: each call
+    copies only the ids appended since the last one (the engine packs every row's page
+    table each step; converting the lists costs O(batch x context) Python work per step,
+    e.g. 236 us at 128 rows x 128 pages against 29 us from these arrays on a 2-core CPU).
+    Valid while ``pages`` changes only by appends and ``drop_pages``."""
+    n = len(self.pages)
+    if self._pages_buffered > n:  # cut without drop_pages: copy them all again
+      self._pages_buffered = 0
+    if self._page_buffer is None or self._page_buffer.shape[0] < n:
+      grown = np.empty(max(16, 2 * n), np.int32)
+      if self._pages_buffered:
+        grown[: self._pages_buffered] = self._page_buffer[: self._pages_buffered]
+      self._page_buffer = grown
+    if self._pages_buffered < n:
+      self._page_buffer[self._pages_buffered: n] = self.pages[self._pages_buffered:]
+      self._pages_buffered = n
+    return self._page_buffer[:n]
 
   @property
   def num_prompt(self) -> int:

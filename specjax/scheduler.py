@@ -46,7 +46,7 @@ class Scheduler:
     pages = self.allocator.allocate(extra)
     if pages is None:
       return False
-    state.pages.extend(pages)
+    state.add_pages(pages)
     return True
 
   def admit(self, now: float) -> list[RequestState]:
@@ -103,13 +103,11 @@ class Scheduler:
     reserved ahead for steps in flight that wrote less)."""
     keep = pages_needed(min(num_tokens, self.config.max_model_len), self.config.page_size)
     if len(state.pages) > keep:
-      self.allocator.free(state.pages[keep:])
-      del state.pages[keep:]
+      self.allocator.free(state.drop_pages(keep))
 
   def preempt(self, state: RequestState) -> None:
     self.running.remove(state)
-    self.allocator.free(state.pages)
-    state.pages = []
+    self.allocator.free(state.drop_pages())
     state.num_computed = 0
     state.num_preemptions += 1
     self.num_preemptions += 1
@@ -117,5 +115,4 @@ class Scheduler:
 
   def finish(self, state: RequestState) -> None:
     self.running.remove(state)
-    self.allocator.free(state.pages)
-    state.pages = []
+    self.allocator.free(state.drop_pages())

@@ -1,8 +1,9 @@
 """Page accounting of ``Scheduler`` and ``PageAllocator`` under random workloads (hypothesis).
 
 The scheduler is driven directly, without a model: random arrivals, prompt lengths,
-``max_tokens``, draft budgets, accepted-token counts and explicit preemptions. After
+``max_tokens``, draft budgets, accepted-token counts, trims and explicit preemptions. After
 every operation no page belongs to two live requests, waiting requests hold no pages,
+each request's ``page_array`` equals its ``pages``,
 the allocator's count equals the pages held, each running request's pages cover its
 step's writes; at the end every request finished and every page is free again.
 """
@@ -28,6 +29,8 @@ def _check(sched: Scheduler, config: EngineConfig):
   assert alloc.num_used + alloc.num_free == config.total_pages
   assert len(sched.running) <= config.max_num_seqs
   assert all(len(s.pages) <= config.pages_per_seq for s in sched.running)
+  for s in [*sched.running, *sched.waiting]:  # the engine packs page tables from these
+    np.testing.assert_array_equal(s.page_array(), np.asarray(s.pages, np.int32))
 
 
 @settings(max_examples=100, deadline=None)
@@ -89,6 +92,9 @@ def test_scheduler_never_leaks_or_shares_pages(data):
       s.num_computed = len(s.tokens) - 1
       if s.finish_reason is not None:
         sched.finish(s)
+        _check(sched, config)
+      elif draw(st.booleans(), label="trim"):  # the engine returns pages reserved ahead
+        sched.trim(s, len(s.tokens))
         _check(sched, config)
   assert all(s.finish_reason is not None for s in states)
   assert sched.allocator.num_used == 0
