@@ -70,6 +70,25 @@ class RequestOutput:
   arrival_s: float = 0.0  # seconds after the run started (0 offline)
 
 
+def _synced(buffer: np.ndarray | None, done: int, items: list[int],
+            minimum: int) -> tuple[np.ndarray, int]:
+  """``(buffer, len(items))`` with ``buffer[:len(items)] == items``, copying only
+  ``items[done:]`` (the ids appended since the last call; ``done`` > ``len(items)``, a
+  list cut behind the buffer's back, copies them all). Grows ``buffer`` (``i32``, at
+  least ``minimum``) by doubling."""
+  n = len(items)
+  if done > n:
+    done = 0
+  if buffer is None or buffer.shape[0] < n:
+    grown = np.empty(max(minimum, 2 * n), np.int32)
+    if done:
+      grown[:done] = buffer[:done]
+    buffer = grown
+  if done < n:
+    buffer[done:n] = items[done:]
+  return buffer, n
+
+
 @dataclasses.dataclass
 class RequestState:
   """Mutable host state of a request inside the engine."""
@@ -99,18 +118,8 @@ class RequestState:
     """``i32[len(tokens)]`` view of ``tokens`` kept in a growing numpy buffer: each call
     copies only the tokens appended since the last one (host drafters read this every
     step; converting the whole list each time costs O(length) per row per step)."""
-    n = len(self.tokens)
-    if self._buffered > n:  # tokens were replaced, not appended
-      self._buffered = 0
-    if self._buffer is None or self._buffer.shape[0] < n:
-      grown = np.empty(max(64, 2 * n), np.int32)
-      if self._buffered:
-        grown[: self._buffered] = self._buffer[: self._buffered]
-      self._buffer = grown
-    if self._buffered < n:
-      self._buffer[self._buffered: n] = self.tokens[self._buffered:]
-      self._buffered = n
-    return self._buffer[:n]
+    self._buffer, self._buffered = _synced(self._buffer, self._buffered, self.tokens, 64)
+    return self._buffer[: self._buffered]
 
   def add_pages(self, pages: list[int]) -> None:
     """Appends KV page ids to ``pages`` (the scheduler's allocations)."""
@@ -132,18 +141,9 @@ class RequestState:
     ``benchmarks.step_packing`` on a 2-core CPU, 128 rows x 128 pages, 269 us from the
     lists against 67 us from these arrays, which stay flat in the context).
     Valid while ``pages`` changes only by appends and ``drop_pages``."""
-    n = len(self.pages)
-    if self._pages_buffered > n:  # cut without drop_pages: copy them all again
-      self._pages_buffered = 0
-    if self._page_buffer is None or self._page_buffer.shape[0] < n:
-      grown = np.empty(max(16, 2 * n), np.int32)
-      if self._pages_buffered:
-        grown[: self._pages_buffered] = self._page_buffer[: self._pages_buffered]
-      self._page_buffer = grown
-    if self._pages_buffered < n:
-      self._page_buffer[self._pages_buffered: n] = self.pages[self._pages_buffered:]
-      self._pages_buffered = n
-    return self._page_buffer[:n]
+    self._page_buffer, self._pages_buffered = _synced(self._page_buffer, self._pages_buffered,
+                                                      self.pages, 16)
+    return self._page_buffer[: self._pages_buffered]
 
   @property
   def num_prompt(self) -> int:

@@ -1,6 +1,6 @@
-"""``RequestState.page_array``: the numpy view of a row's page ids stays equal to
-``pages`` through appends and cuts (the scheduler's random workloads check the same
-after every operation: ``test_scheduler_properties``)."""
+"""``RequestState.page_array`` and ``token_array``: the numpy views stay equal to
+``pages`` and ``tokens`` through appends and cuts (the scheduler's random workloads check
+``page_array`` after every operation too: ``test_scheduler_properties``)."""
 
 import numpy as np
 
@@ -30,3 +30,16 @@ def test_page_array_follows_appends_and_cuts():
   assert st.drop_pages() == [4, 7, 5, 6] and st.page_array().shape == (0,)
   st.pages.append(11)  # a bare append without add_pages is copied too
   np.testing.assert_array_equal(st.page_array(), [11])
+
+
+def test_token_array_follows_appends_and_replacements():
+  st = _state(3)
+  np.testing.assert_array_equal(st.token_array(), [1, 2, 3])
+  st.tokens.extend(range(10, 200))  # grows past the first buffer
+  np.testing.assert_array_equal(st.token_array(), [1, 2, 3, *range(10, 200)])
+  st.tokens[:] = [9, 8]  # replaced by a shorter list: copied afresh
+  np.testing.assert_array_equal(st.token_array(), [9, 8])
+  st.tokens.append(7)
+  arr = st.token_array()
+  np.testing.assert_array_equal(arr, [9, 8, 7])
+  assert arr.dtype == np.int32
