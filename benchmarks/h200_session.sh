@@ -106,7 +106,8 @@ for step in "$@"; do
       # for 6 engines from an empty compile cache, 207 s for 5; a measured pass of
       # 16 x 128 tokens at batch 1 2.9 s; "~50 s of warm-up per method"): ~50 s warm-up
       # per engine, a 24 x 128-token pass at batch 1 ~4 s for the 8 fused engines and
-      # ~10 s for the 10 host-path or target-sized drafters, less at 4 and 16. 18 engines:
+      # ~10 s for the 10 host-path or target-sized drafters, less at 4 and 16 (the host-path
+      # ones, runs_on "device", warm up on the whole workload too: ~10 s more each). 18 engines:
       # ~1300 s at batch 1, ~1060 s at 4, ~980 s at 16: ~56 min greedy, as much at
       # T = 0.8, plus the heads once (~15 min: docs/gpu/device_resident_loop, "~150 s of
       # regeneration + ~290 s of training" for EAGLE-3, MTP's 800 steps 92 s) and ~4 min
