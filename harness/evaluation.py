@@ -9,7 +9,8 @@ most ``warmup_tokens`` new tokens compiles what is left (``_warmup_requests``; w
 precompile, one request per prefill-length bucket, and decode buckets first reached
 later compile in the measured pass, where those steps are flagged and left out of the
 timings); a method that calls its own jitted functions from the host warms up on the
-whole workload instead (``_engine_warmup_requests``), then ``repeats`` measured passes. Each measured pass of each method gives one row.
+whole workload instead (``_engine_warmup_requests``), then ``repeats`` measured passes.
+Each measured pass of each method gives one row.
 
 Definitions (per row; see ``specjax.metrics``):
 
@@ -692,8 +693,8 @@ def _static_columns(cfg: EvalConfig, workload: _Workload, target_split, mesh) ->
 def _warmup_requests(cfg: EvalConfig, workload: _Workload) -> list[Request]:
   """Warm-up phase's requests, each capped at ``cfg.warmup_tokens`` new tokens (None:
   uncapped). With ``cfg.precompile`` every prefill, decode and verify shape is compiled
-  before this pass, which only has what is left to compile (slot admission): a batch of the largest batch size of the shortest prompts
-  (``_shortest``). Without it, ``_warmup_subset`` (one request per prefill-length bucket,
+  before this pass, which only has what is left to compile (slot admission): a batch of
+  the largest batch size of the shortest prompts (``_shortest``). Without it, ``_warmup_subset`` (one request per prefill-length bucket,
   then up to a batch of the largest batch size) compiles the prefill shapes too."""
   warm_tokens = min(workload.new_tokens, cfg.warmup_tokens or workload.new_tokens)
   if cfg.precompile:

@@ -266,7 +266,8 @@ class Engine:
       tokens[i, : e - s] = st.tokens[s:e]
       q_lens[i], kv_lens[i] = e - s, e
     width = self._pages_bucket([e for _, _, e in chunks])
-    meta = AttentionMetadata(page_table([st.page_array() for st in rows], batch, width), kv_lens, q_lens)
+    meta = AttentionMetadata(page_table([st.page_array() for st in rows], batch, width),
+                             kv_lens, q_lens)
     snap = CompileMonitor.snapshot()
     t0 = time.perf_counter()
     self.kv_caches, logits, hidden = forward_step(
