@@ -694,8 +694,9 @@ def _warmup_requests(cfg: EvalConfig, workload: _Workload) -> list[Request]:
   """Warm-up phase's requests, each capped at ``cfg.warmup_tokens`` new tokens (None:
   uncapped). With ``cfg.precompile`` every prefill, decode and verify shape is compiled
   before this pass, which only has what is left to compile (slot admission): a batch of
-  the largest batch size of the shortest prompts (``_shortest``). Without it, ``_warmup_subset`` (one request per prefill-length bucket,
-  then up to a batch of the largest batch size) compiles the prefill shapes too."""
+  the largest batch size of the shortest prompts (``_shortest``). Without it,
+  ``_warmup_subset`` (one request per prefill-length bucket, then up to a batch of the
+  largest batch size) compiles the prefill shapes too."""
   warm_tokens = min(workload.new_tokens, cfg.warmup_tokens or workload.new_tokens)
   if cfg.precompile:
     chosen = _shortest(workload.requests, max(cfg.batch_sizes))
