@@ -46,15 +46,14 @@ def main(argv):
         st.add_pages(list(range(i * width, (i + 1) * width)))
         states.append(st)
 
-      def pack(tables, batch=batch, width=width):
-        return build_batch(batch=batch, width=width, length=0, page_tables=tables(),
+      def pack(arrays: bool, states=states, batch=batch, width=width):
+        tables = [st.page_array()[:width] if arrays else st.pages[:width] for st in states]
+        return build_batch(batch=batch, width=width, length=0, page_tables=tables,
                            slots=list(range(batch)), verify_caps=[4] * batch)
 
-      lists = lambda states=states, width=width: [st.pages[:width] for st in states]  # noqa: E731
-      arrays = lambda states=states, width=width: [st.page_array()[:width] for st in states]  # noqa: E731
-      if not np.array_equal(pack(lists).ints, pack(arrays).ints):
+      if not np.array_equal(pack(False).ints, pack(True).ints):
         raise AssertionError("page_array packs another table than the lists")
-      (l_us, l_std), (a_us, a_std) = _time_us(lambda: pack(lists)), _time_us(lambda: pack(arrays))
+      (l_us, l_std), (a_us, a_std) = _time_us(lambda: pack(False)), _time_us(lambda: pack(True))
       rows.append({"batch": batch, "context": context, "pages_per_row": width,
                    "lists_us": l_us, "lists_std_us": l_std, "page_array_us": a_us,
                    "page_array_std_us": a_std, "ratio": l_us / a_us})
