@@ -49,7 +49,7 @@ drafting). The baselines are means, not the repeat of the same index: the repeat
 AR run minutes before a point's, so pairing them by index only adds AR's run-to-run
 spread to every point's (``rebase_on_mean_baselines``). Per batch size each engine
 (``engine_groups``) is warmed up once by ``Engine.precompile`` (every shape of every
-file's requests), then ``repeats`` measured runs per point and file, each a row, each
+file's requests; a host-called proposer also by one untimed run of each workload), then ``repeats`` measured runs per point and file, each a row, each
 starting from a cleared method cache (adaptive's estimates are learned afresh in every
 run: no file or repeat inherits another's).
 
@@ -230,7 +230,9 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
   ``read_records(path)`` reads a trace file (``harness.traces.read_jsonl``).
 
   Per batch size, one engine per ``engine_groups`` group, warmed up once with
-  ``Engine.precompile`` over all files' requests (its time is each row's ``warmup_s``),
+  ``Engine.precompile`` over all files' requests and, for a method with host-called
+  jitted functions (``runs_on == "device"``: adaptive), one untimed run of each of its
+  workloads (its time is each row's ``warmup_s``),
   then every file's runs of its points: the engines share the KV length and prefill
   budget, so the prefill programs are compiled once per batch size."""
   from harness.engine_loop import drafter_method  # noqa: PLC0415
@@ -279,6 +281,12 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
       t0 = time.perf_counter()
       every = [r for _, _, reqs in runs for r in reqs]  # ids repeat across files, points
       engine.precompile([dataclasses.replace(r, request_id=str(i)) for i, r in enumerate(every)])
+      if engine.caps.runs_on == "device":
+        # A host-called proposer's shapes follow its drafts, which precompile cannot
+        # enumerate: only the runs themselves compile them, so each distinct workload
+        # runs once, untimed, before its measured repeats.
+        for reqs in {id(reqs): reqs for _, _, reqs in runs}.values():
+          engine.generate(reqs)
       warm_s = time.perf_counter() - t0
       for p, data, reqs in runs:
         for rep in range(cfg.repeats):

@@ -78,6 +78,8 @@ def test_measured_tau_equals_the_simulator_at_batch_one(tmp_path):
   assert len(measured) == len(points)
   assert len(pd.read_csv(cfg.csv_path)) == len(points)  # appended as points finish
   assert (measured.num_requests == 3).all()
+  # every engine is warmed up before its measured runs, host-called proposers included
+  assert (measured.num_compiles == 0).all(), measured[["point", "num_compiles"]]
   from specjax.cost_model import preset
 
   cost = preset("seed-llama8b-h100")
