@@ -417,7 +417,10 @@ def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_to
   its full-batch decode steps only (``min_occupancy``: as ``StudyConfig``'s; None: each
   batch size's as its measured rows record it, 1.0 where they have no such column), as the
   measured columns are; both charge a point that
-  drafts with the zero-cost constant drafter no draft cost), ``sim_seed_speedup`` (the seed's semantics under
+  drafts with the zero-cost constant drafter no draft cost; an oracle or combination
+  point's verify is that of its chosen run, the bound),
+  ``sim_specjax_fixed_width_full_speedup`` (oracle and combination points: the same with
+  every step charged W drafts a row, as the engine verifies them), ``sim_seed_speedup`` (the seed's semantics under
   ``cost``) and, with ``seed_cost``, ``sim_seed_h100_speedup`` (the seed's semantics
   under the seed's own cost model: what the seed's simulator prints). The
   ``ngram_lookup`` points get none (their tau is not the trace's).
@@ -462,6 +465,10 @@ def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_to
           row.update(sim_specjax_tau=sim["tau"], sim_specjax_speedup=sim["speedup"],
                      sim_specjax_full_tau=sim["full_tau"],
                      sim_specjax_full_speedup=sim["full_speedup"])
+          if kind in ("oracle", "combine"):  # what the engine runs: k drafts every step
+            wide = simulate(records[:n], point_cost, dataclasses.replace(pol, fixed_width=True),
+                            int(batch), batching="continuous", min_occupancy=occupancy)
+            row.update(sim_specjax_fixed_width_full_speedup=wide["full_speedup"])
           mp = MATCH_PROBABILITY.get(data) if kind == "fixed" and NGRAM in methods else None
           for name, model in (("sim_seed", cost), ("sim_seed_h100", seed_cost)):
             if model is None:

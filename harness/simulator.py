@@ -59,11 +59,16 @@ class Policy:
     methods: the trace methods used (``fixed``/``oracle``: exactly one; ``combine``: >= 1).
     k: ``fixed``: the draft length (>= 1); ``oracle``/``combine``: the most drafts per
       step (0 = unbounded).
+    fixed_width: ``oracle``/``combine`` with k >= 1 only: every step is charged the verify
+      of k drafts a row (what the engine's zero-cost drafter measures: it drafts k and
+      the replay accepts the oracle's run) instead of the longest chosen run's. Commits
+      are unchanged.
   """
 
   kind: str
   methods: tuple[str, ...] = ()
   k: int = 0
+  fixed_width: bool = False
 
   def __post_init__(self):
     if self.kind not in POLICIES:
@@ -79,6 +84,9 @@ class Policy:
       raise ValueError(f"policy 'fixed' needs k >= 1, got k={self.k}")
     if self.k < 0:
       raise ValueError(f"k={self.k} must be >= 0")
+    if self.fixed_width and (self.kind not in ("oracle", "combine") or self.k < 1):
+      raise ValueError(f"fixed_width=True needs policy 'oracle' or 'combine' with k >= 1, got "
+                       f"kind={self.kind!r}, k={self.k}")
 
   @property
   def label(self) -> str:
@@ -206,7 +214,8 @@ def _step(policy, rows, arrays, cost: CostModel, res: SimResult, full: bool) -> 
       row.last_method = m
   num_rows = len(lengths)
   # The engine's draft-length buckets stop at the method's k (k = 5 verifies 6 tokens a row).
-  q = cost.query_tokens(lengths, k=policy.k or None)
+  q = cost.query_tokens([policy.k] * num_rows if policy.fixed_width else lengths,
+                       k=policy.k or None)
   parts = cost.step_parts(num_rows, q, kv, by_method,
                           length=max(lengths), speculative=policy.kind != "ar",
                           switches=switches)

@@ -178,6 +178,12 @@ def test_predicted_points_cover_every_replayed_point_and_batch(tmp_path):
     tau = pred[pred.point == p.label].sim_specjax_full_tau
     assert ((tau >= 1) & (tau <= p.length + 1)).all(), (p.label, tau.tolist())
   assert pred.sim_specjax_full_speedup.notna().all() and pred.sim_seed_speedup.notna().all()
+  # the engine's oracle points verify W drafts every step: never faster than the bound
+  wide = pred[pred.point.str.match(r"(oracle_eagle3|combination)_w")]
+  assert len(wide) == 4 and wide.sim_specjax_fixed_width_full_speedup.notna().all()
+  assert (wide.sim_specjax_fixed_width_full_speedup <= wide.sim_specjax_full_speedup).all()
+  assert (wide.sim_specjax_fixed_width_full_speedup < wide.sim_specjax_full_speedup).any()
+  assert pred[~pred.index.isin(wide.index)].sim_specjax_fixed_width_full_speedup.isna().all()
 
 
 def test_min_occupancy_outside_its_range_is_an_error():

@@ -74,6 +74,10 @@ def test_oracle_length():
   # Capped at k = 1: every step drafts 1 and commits 2: pos 1, 3, 5 -> 3 steps of 14 ms.
   r = sim([A], Policy(kind="oracle", methods=("a",), k=1))
   assert r["sd_time_s"] == pytest.approx(42 * MS) and r["tau"] == 2.0
+  # Fixed width k = 3 (the engine's zero-cost oracle point): the same commits, each step
+  # charged 3 drafts: pos 1 (l = 3) 16 ms, pos 5 (l = 1, verified at 3) 16 ms.
+  r = sim([A], Policy(kind="oracle", methods=("a",), k=3, fixed_width=True))
+  assert r["sd_time_s"] == pytest.approx(32 * MS) and r["tau"] == 3.0
 
 
 def test_oracle_combination_with_switching_cost():
@@ -165,6 +169,11 @@ def test_bad_policies():
     Policy(kind="oracle", methods=("a", "b"))
   with pytest.raises(ValueError, match="kind='best' must be one of"):
     Policy(kind="best")
+  with pytest.raises(ValueError, match="fixed_width=True needs policy 'oracle' or 'combine' "
+                     "with k >= 1, got kind='oracle', k=0"):
+    Policy(kind="oracle", methods=("a",), fixed_width=True)
+  with pytest.raises(ValueError, match="got kind='fixed', k=2"):
+    Policy(kind="fixed", methods=("a",), k=2, fixed_width=True)
   with pytest.raises(ValueError, match="has no trace for method 'c'"):
     sim([A], Policy(kind="oracle", methods=("c",)))
   with pytest.raises(ValueError, match="batch_size=0 must be >= 1"):
