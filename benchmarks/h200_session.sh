@@ -485,6 +485,7 @@ for step in "$@"; do
       for g in ${GRID_GROUPS:-8b_fit_b1 8b_fit_b16 8b_held 8b_fit_b64_c512 8b_fit_b128_c512 70b_l4 70b_l8 70b_l12}; do
         case $g in
           8b_fit_b1) a="$L8 --batch_sizes=1 --contexts=512,2048" ;;
+          8b_fit_b4) a="$L8 --batch_sizes=4 --contexts=512,2048" ;;  # not in the default list
           8b_fit_b16) a="$L8 --batch_sizes=16 --contexts=512,2048" ;;
           8b_fit_b64_c512) a="$L8 --batch_sizes=64 --contexts=512" ;;
           8b_fit_b128_c512) a="$L8 --batch_sizes=128 --contexts=512" ;;
