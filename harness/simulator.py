@@ -61,8 +61,9 @@ class Policy:
       step (0 = unbounded).
     fixed_width: ``oracle``/``combine`` with k >= 1 only: every step is charged the verify
       of k drafts a row (what the engine's zero-cost drafter measures: it drafts k and
-      the replay accepts the oracle's run) instead of the longest chosen run's. Commits
-      are unchanged.
+      the replay accepts the oracle's run) instead of the longest chosen run's: its query
+      tokens, the per-row-token overhead at length k and ``verified`` (so the drafts past
+      the chosen run count as wasted verification). Commits are unchanged.
   """
 
   kind: str
@@ -213,11 +214,12 @@ def _step(policy, rows, arrays, cost: CostModel, res: SimResult, full: bool) -> 
         switches += row.weight
       row.last_method = m
   num_rows = len(lengths)
+  # What the step verifies: each row's chosen run, or k drafts a row (``fixed_width``).
+  verified = [policy.k] * num_rows if policy.fixed_width else lengths
   # The engine's draft-length buckets stop at the method's k (k = 5 verifies 6 tokens a row).
-  q = cost.query_tokens([policy.k] * num_rows if policy.fixed_width else lengths,
-                       k=policy.k or None)
+  q = cost.query_tokens(verified, k=policy.k or None)
   parts = cost.step_parts(num_rows, q, kv, by_method,
-                          length=max(lengths), speculative=policy.kind != "ar",
+                          length=max(verified), speculative=policy.kind != "ar",
                           switches=switches)
   verify, draft, overhead, switch = parts
   res.time_s += parts.total
@@ -228,7 +230,7 @@ def _step(policy, rows, arrays, cost: CostModel, res: SimResult, full: bool) -> 
   res.num_switches += switches
   res.num_steps += 1
   res.row_steps += num_rows
-  res.verified += int(np.sum(np.asarray(lengths) + 1))
+  res.verified += int(np.sum(np.asarray(verified) + 1))
   step_committed = 0
   for row, commit in zip(rows, commits):
     step_committed += row.weight * commit

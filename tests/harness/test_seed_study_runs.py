@@ -60,3 +60,21 @@ def test_a_file_does_not_inherit_the_estimates_of_the_file_before(tmp_path, targ
   assert bad.tau.iloc[-1] == alone.tau.iloc[-1]
   good = after[after.data == "good"].adaptive_choice.iloc[0]
   assert good != bad.adaptive_choice.iloc[0]  # the two files do choose differently
+
+
+def test_host_called_proposers_compile_nothing_in_the_measured_runs(tmp_path, target):
+  # Each file's warm-up run starts from a cleared method cache, as its measured runs do:
+  # warmed up on the estimates the file before left, adaptive would choose (and compile)
+  # other shapes than its measured run meets.
+  from tests.harness.test_seed_study import _records as mixed_records  # noqa: PLC0415
+  paths = []
+  for j, name in enumerate(("instructcoder", "gsm8k")):
+    paths.append(os.path.join(tmp_path, f"combined_{name}.jsonl"))
+    write_jsonl(paths[-1], mixed_records(6, seed=3 + j))
+  points = tuple(p for p in seed_study.study_points((3,), (4,)) if p.label == "adaptive_k3")
+  cfg = seed_study.StudyConfig(files=tuple(paths), batch_sizes=(4,), points=points,
+                               min_requests=3, max_total_tokens=64, repeats=1,
+                               min_occupancy=0.5)
+  measured = seed_study.measure_study(cfg, target, target.config, target="tiny",
+                                      dtype="float32", read_records=read_jsonl, log=lambda _: 0)
+  assert len(measured) == 2 and (measured.num_compiles == 0).all(), measured.num_compiles

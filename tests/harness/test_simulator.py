@@ -1,5 +1,7 @@
 """Bound simulator on hand-computable traces: every expected number is worked out below."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -76,8 +78,18 @@ def test_oracle_length():
   assert r["sd_time_s"] == pytest.approx(42 * MS) and r["tau"] == 2.0
   # Fixed width k = 3 (the engine's zero-cost oracle point): the same commits, each step
   # charged 3 drafts: pos 1 (l = 3) 16 ms, pos 5 (l = 1, verified at 3) 16 ms.
-  r = sim([A], Policy(kind="oracle", methods=("a",), k=3, fixed_width=True))
+  wide = Policy(kind="oracle", methods=("a",), k=3, fixed_width=True)
+  r = sim([A], wide)
   assert r["sd_time_s"] == pytest.approx(32 * MS) and r["tau"] == 3.0
+  # 8 tokens verified (4 a step), 6 committed: a quarter wasted (the bound wastes none).
+  assert r["wasted_verify_share"] == pytest.approx(0.25)
+  # A per-row-token SD overhead of 0.5 ms is charged at the verified length: 3 at both
+  # steps (+1.5 + 1.5 ms), where the bound's steps pay it at 3 and 1 (+1.5 + 0.5 ms).
+  per_token = dataclasses.replace(
+      COST, overhead=OverheadCost(sd_per_row_token_s=0.5 * MS))
+  assert sim([A], wide, cost=per_token)["sd_time_s"] == pytest.approx(35 * MS)
+  assert sim([A], Policy(kind="oracle", methods=("a",), k=3), cost=per_token)[
+      "sd_time_s"] == pytest.approx(32 * MS)
 
 
 def test_oracle_combination_with_switching_cost():
