@@ -49,9 +49,10 @@ drafting). The baselines are means, not the repeat of the same index: the repeat
 AR run minutes before a point's, so pairing them by index only adds AR's run-to-run
 spread to every point's (``rebase_on_mean_baselines``). Per batch size each engine
 (``engine_groups``) is warmed up once by ``Engine.precompile`` (every shape of every
-file's requests; a host-called proposer also by one untimed run of each workload), then ``repeats`` measured runs per point and file, each a row, each
-starting from a cleared method cache (adaptive's estimates are learned afresh in every
-run: no file or repeat inherits another's).
+file's requests; a host-called proposer also by one untimed run of each workload), then
+``repeats`` measured runs per point and file, each a row, each starting from a cleared
+method cache (adaptive's estimates are learned afresh in every run: no file or repeat
+inherits another's).
 
 ``simulate_points`` adds, per point, what the trace simulators print for it: specjax
 semantics (``harness.simulator.simulate``, the same requests, continuous batching) and
@@ -417,14 +418,14 @@ def simulate_points(measured: pd.DataFrame, files, cost, *, points, max_total_to
   included), ``sim_specjax_full_tau`` / ``sim_specjax_full_speedup`` (the same run over
   its full-batch decode steps only (``min_occupancy``: as ``StudyConfig``'s; None: each
   batch size's as its measured rows record it, 1.0 where they have no such column), as the
-  measured columns are; both charge a point that
-  drafts with the zero-cost constant drafter no draft cost; an oracle or combination
-  point's verify is that of its chosen run, the bound),
-  ``sim_specjax_fixed_width_full_speedup`` (oracle and combination points: the same with
-  every step charged W drafts a row, as the engine verifies them), ``sim_seed_speedup`` (the seed's semantics under
-  ``cost``) and, with ``seed_cost``, ``sim_seed_h100_speedup`` (the seed's semantics
-  under the seed's own cost model: what the seed's simulator prints). The
-  ``ngram_lookup`` points get none (their tau is not the trace's).
+  measured columns are; both charge a point that drafts with the zero-cost constant
+  drafter no draft cost; an oracle or combination point's verify is that of its chosen
+  run, the bound), ``sim_specjax_fixed_width_full_speedup`` (oracle and combination
+  points: the same with every step charged W drafts a row, as the engine verifies them),
+  ``sim_seed_speedup`` (the seed's semantics under ``cost``) and, with ``seed_cost``,
+  ``sim_seed_h100_speedup`` (the seed's semantics under the seed's own cost model: what the
+  seed's simulator prints). The ``ngram_lookup`` points get none (their tau is not the
+  trace's).
 
   Raises:
     ValueError: with ``min_occupancy`` None, one batch size's rows record two values.
