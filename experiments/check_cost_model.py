@@ -18,7 +18,7 @@ from __future__ import annotations
 import pandas as pd
 from absl import flags
 
-from harness import cli, cost_check
+from harness import cli, cost_check, cost_fit
 
 _LOOP = flags.DEFINE_list("engine_loop_csv", None, "benchmarks.engine_loop CSVs (profiled: "
                           "device_ms) to fit on, less the held-out rows.", required=True)
@@ -31,6 +31,8 @@ _NEW = flags.DEFINE_integer("new_tokens", 64, "The engine-loop runs' --new_token
 _TOL = flags.DEFINE_float("tolerance", 0.05, "Largest |relative error| counted as within.",
                           lower_bound=0.0)
 _OUT = flags.DEFINE_string("output", None, "Where the table's CSV goes (optional).")
+_QUERY = flags.DEFINE_enum("query_model", "knee", list(cost_fit.QUERY_MODELS),
+                           "The fitted target's query term (harness.cost_fit).")
 
 
 
@@ -43,7 +45,7 @@ def main(argv):
   if _HELD.value:
     held = pd.concat([held] + [pd.read_csv(p) for p in _HELD.value], ignore_index=True)
   out = cost_check.heldout_check(fit_rows, held, new_tokens=_NEW.value,
-                                 tolerance=_TOL.value)
+                                 tolerance=_TOL.value, query_model=_QUERY.value)
   cols = ["target", "num_layers", "batch", "context", "L", "step_ms", "pred_step_ms",
           "device_ms", "pred_device_ms", "rel_error", "within"]
   print(out[[c for c in cols if c in out]].to_string(index=False))

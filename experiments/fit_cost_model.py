@@ -25,6 +25,9 @@ _NEW = flags.DEFINE_integer("new_tokens", 64, "The engine-loop runs' --new_token
 _NAME = flags.DEFINE_string("name", "fitted", "Label of the cost model.")
 _SWITCH = flags.DEFINE_float("switch_cost_ms", 0.0, "Method switching cost per row (ms).")
 _OUT = flags.DEFINE_string("output", "cost_model.json", "Where the JSON goes.")
+_QUERY = flags.DEFINE_enum("query_model", "knee", list(cost_fit.QUERY_MODELS),
+                           "The target's query term: one slope past a knee, or piecewise "
+                           "linear segments (harness.cost_fit).")
 
 
 def main(argv):
@@ -36,11 +39,12 @@ def main(argv):
   if _SEED.value:
     model = seed_study.fit_cost_model(
         loops, pd.concat([pd.read_csv(p) for p in _SEED.value], ignore_index=True),
-        new_tokens=_NEW.value, name=_NAME.value, switch_s=_SWITCH.value / 1e3)
+        new_tokens=_NEW.value, name=_NAME.value, switch_s=_SWITCH.value / 1e3,
+        query_model=_QUERY.value)
   else:
     model = cost_fit.fit(loops, [pd.read_csv(p) for p in _EVAL.value],
                          new_tokens=_NEW.value, name=_NAME.value,
-                         switch_s=_SWITCH.value / 1e3)
+                         switch_s=_SWITCH.value / 1e3, query_model=_QUERY.value)
   with open(_OUT.value, "w") as f:
     f.write(model.to_json())
   print(model.to_json())

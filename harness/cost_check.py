@@ -57,7 +57,8 @@ def scale_layers(models: dict[int, CostModel], num_layers: int) -> CostModel:
   docstring). One count: that model, only for the same ``num_layers``.
 
   Raises:
-    ValueError: no models, or one model and another ``num_layers``.
+    ValueError: no models, one model and another ``num_layers``, or fits whose
+      ``query_segments`` have different starts.
   """
   if not models:
     raise ValueError("models is empty: fit at least one layer count")
@@ -69,11 +70,20 @@ def scale_layers(models: dict[int, CostModel], num_layers: int) -> CostModel:
     return models[counts[0]]
   x = np.asarray(counts, float)
   design = np.stack([np.ones_like(x), x], 1)
-  values = {}
-  for field in dataclasses.fields(TargetCost):
-    y = np.asarray([getattr(models[n].target, field.name) for n in counts], float)
-    (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
-    values[field.name] = max(0.0, float(a + b * num_layers))
+  def line(y):
+    (a, b), *_ = np.linalg.lstsq(design, np.asarray(y, float), rcond=None)
+    return max(0.0, float(a + b * num_layers))
+
+  values = {f.name: line([getattr(models[n].target, f.name) for n in counts])
+            for f in dataclasses.fields(TargetCost) if f.name != "query_segments"}
+  segments = [models[n].target.query_segments for n in counts]
+  if any(s != () for s in segments):
+    starts = {tuple(a for a, _ in s) for s in segments}
+    if len(starts) != 1:
+      raise ValueError(f"query_segments starts {sorted(starts)} differ between the layer "
+                       "counts' fits: segments scale only with the same starts")
+    values["query_segments"] = tuple(
+        (a, line([s[j][1] for s in segments])) for j, (a, _) in enumerate(segments[0]))
   largest = models[counts[-1]]
   return dataclasses.replace(largest, name=f"{largest.name}@{num_layers}layers",
                              target=TargetCost(**values))
@@ -88,9 +98,10 @@ def split_heldout(frame: pd.DataFrame, *, batches=(), contexts=(), layers=()):
 
 
 def heldout_check(fit_frame: pd.DataFrame, heldout_frame: pd.DataFrame, *, new_tokens: int,
-                  tolerance: float = 0.05) -> pd.DataFrame:
-  """Fits on ``fit_frame`` (per layer count) and predicts ``heldout_frame``'s draft-free
-  rows (``predict_steps`` columns, plus ``within`` = |rel_error| <= ``tolerance``).
+                  tolerance: float = 0.05, query_model: str = "knee") -> pd.DataFrame:
+  """Fits on ``fit_frame`` (per layer count; ``query_model`` as ``harness.cost_fit.fit``)
+  and predicts ``heldout_frame``'s draft-free rows (``predict_steps`` columns, plus
+  ``within`` = |rel_error| <= ``tolerance``).
 
   Raises:
     ValueError: an empty side, or ``harness.cost_fit.fit``'s errors.
@@ -98,7 +109,8 @@ def heldout_check(fit_frame: pd.DataFrame, heldout_frame: pd.DataFrame, *, new_t
   if fit_frame.empty or _draft_free(heldout_frame).empty:
     raise ValueError(f"fit rows ({len(fit_frame)}) and draft-free held-out rows "
                      f"({len(_draft_free(heldout_frame))}) must both be non-empty")
-  models = {int(n): fit([g], new_tokens=new_tokens, name=f"fit{int(n)}")
+  models = {int(n): fit([g], new_tokens=new_tokens, name=f"fit{int(n)}",
+                       query_model=query_model)
             for n, g in fit_frame.groupby("num_layers")}
   parts = []
   for n, g in heldout_frame.groupby("num_layers"):

@@ -7,7 +7,10 @@ AR rows, L = 0, and SD rows) and ``harness.evaluation`` ``results.csv`` files (p
 ``draft_ms`` against ``batch_size`` and ``k``); the target's query tokens are the engine's
 padded ``bucket(B) * (bucket(L) + 1)``, and the target's ``query_knee`` (the
 roofline's bend: query tokens that ride along with the weight read) is the best of a
-scan over the measured query-token counts (``_fit_knee``). The model's JSON records the device, JAX version,
+scan over the measured query-token counts (``_fit_knee``); or, with
+``query_model="segments"``, the query term is piecewise linear with a start at 0 and at
+every power of two inside the measured counts that has two distinct counts above it
+(``query_segment_starts``, ``_fit_segments``; each segment's slope >= 0). The model's JSON records the device, JAX version,
 dtype, target and files it came from, and per-part fit errors. The model itself (its
 terms, presets, ``load``) lives in ``specjax.cost_model``.
 """
@@ -20,7 +23,9 @@ import numpy as np
 
 from specjax.cost_model import CostModel, DraftCost, OverheadCost, TargetCost, bucket
 
-__all__ = ["fit", "mean_kv_per_row"]
+__all__ = ["QUERY_MODELS", "fit", "mean_kv_per_row", "query_segment_starts"]
+
+QUERY_MODELS = ("knee", "segments")
 
 
 def mean_kv_per_row(frame, new_tokens: int) -> np.ndarray:
@@ -58,13 +63,42 @@ def _fit_knee(q: np.ndarray, kv: np.ndarray, y: np.ndarray):
   return knee, coef, stats
 
 
+def query_segment_starts(q) -> list[float]:
+  """Segment starts for measured query-token counts ``q``: 0, then every power of two
+  above the smallest count with at least two distinct counts above it (two counts fix a
+  segment's slope; the last segment runs on past the largest count)."""
+  distinct = np.unique(np.asarray(q, float))
+  starts, p = [0.0], 1
+  while p < distinct[-1]:
+    if p > distinct[0] and (distinct > p).sum() >= 2:
+      starts.append(float(p))
+    p *= 2
+  return starts
+
+
+def _segment_features(q: np.ndarray, starts) -> np.ndarray:
+  ends = [*starts[1:], np.inf]
+  return np.stack([np.clip(q - a, 0.0, b - a) for a, b in zip(starts, ends)], 1)
+
+
+def _fit_segments(q: np.ndarray, kv: np.ndarray, y: np.ndarray):
+  """The fit of ``[1, segments(q), kv]`` (``query_segment_starts``): (fixed, segments as
+  ``(start, slope)`` pairs, per-KV-token) and fit statistics."""
+  starts = query_segment_starts(q)
+  features = np.concatenate([np.ones((len(q), 1)), _segment_features(q, starts),
+                             kv[:, None]], 1)
+  coef, stats = _nnls(features, y)
+  stats["query_segment_starts"] = starts
+  return coef[0], tuple(zip(starts, coef[1:-1].tolist())), coef[-1], stats
+
+
 def _single(frame, column: str):
   values = sorted({str(v) for v in frame[column].dropna()}) if column in frame else []
   return values[0] if len(values) == 1 else values
 
 
 def fit(engine_loop_frames, eval_frames=(), *, new_tokens: int = 64, name: str = "fitted",
-        switch_s: float = 0.0) -> CostModel:
+        switch_s: float = 0.0, query_model: str = "knee") -> CostModel:
   """Fits a ``CostModel`` (module docstring) from this project's timings.
 
   Args:
@@ -74,10 +108,15 @@ def fit(engine_loop_frames, eval_frames=(), *, new_tokens: int = 64, name: str =
       draft_ms); every method but ``ar`` gets a draft cost.
     new_tokens: engine steps of each engine-loop request (its ``--new_tokens``; the CSV
       does not record it): the mean KV per row is ``mean_kv_per_row``.
+    query_model: the target's query term (``QUERY_MODELS``): ``"knee"`` (one slope past
+      a fitted knee) or ``"segments"`` (piecewise linear; module docstring).
 
   Raises:
-    ValueError: no engine-loop rows with a finite ``device_ms``, or more than one target.
+    ValueError: no engine-loop rows with a finite ``device_ms``, more than one target, or
+      ``query_model`` not in ``QUERY_MODELS``.
   """
+  if query_model not in QUERY_MODELS:
+    raise ValueError(f"query_model={query_model!r} must be one of {QUERY_MODELS}")
   import pandas as pd  # noqa: PLC0415
   import scipy  # noqa: PLC0415
 
@@ -97,9 +136,14 @@ def fit(engine_loop_frames, eval_frames=(), *, new_tokens: int = 64, name: str =
                  float)
   device_s = loop.device_ms.to_numpy(float) / 1e3
   ones = np.ones_like(batch)
-  knee, coef, target_stats = _fit_knee(q, kv, device_s)
-  target = TargetCost(fixed_s=coef[0], per_query_token_s=coef[1], per_kv_token_s=coef[2],
-                      query_knee=knee)
+  if query_model == "segments":
+    fixed, segments, per_kv, target_stats = _fit_segments(q, kv, device_s)
+    target = TargetCost(fixed_s=fixed, per_query_token_s=0.0, per_kv_token_s=per_kv,
+                        query_segments=segments)
+  else:
+    knee, coef, target_stats = _fit_knee(q, kv, device_s)
+    target = TargetCost(fixed_s=coef[0], per_query_token_s=coef[1], per_kv_token_s=coef[2],
+                        query_knee=knee)
 
   host_s = np.maximum(loop.step_ms.to_numpy(float) / 1e3 - device_s, 1e-6)
   ar, sd = length == 0, length > 0

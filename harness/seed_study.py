@@ -526,11 +526,12 @@ def draft_cost_points(measured: pd.DataFrame) -> pd.DataFrame:
 
 
 def fit_cost_model(engine_loop_frames, measured: pd.DataFrame, *, new_tokens: int,
-                   name: str, switch_s: float = 0.0):
+                   name: str, switch_s: float = 0.0, query_model: str = "knee"):
   """``harness.cost_fit.fit`` of the engine-loop rows (target and host overhead) with the
   EAGLE-3 draft cost of ``draft_cost_points(measured)`` and a zero n-gram draft cost (the
   study's ``ngram_k`` points draft with the zero-cost constant drafter): the cost model
   the specjax-semantics simulator needs for the study's points on the card they ran on.
+  ``query_model`` is ``harness.cost_fit.fit``'s.
 
   Raises:
     ValueError: ``measured`` has no EAGLE-3 point with a ``verify_share``, or as
@@ -544,7 +545,7 @@ def fit_cost_model(engine_loop_frames, measured: pd.DataFrame, *, new_tokens: in
     raise ValueError("measured has no eagle3_k point with a verify_share (run the study "
                      "with its ngram_k points at the same k)")
   model = cost_fit.fit(engine_loop_frames, [points], new_tokens=new_tokens, name=name,
-                       switch_s=switch_s)
+                       switch_s=switch_s, query_model=query_model)
   meta = dict(model.meta, draft_sources=dict(model.meta["draft_sources"], **{
       NGRAM: "zero: the seed study's ngram_k points draft with the constant drafter"}))
   return dataclasses.replace(model, drafts={**model.drafts, NGRAM: DraftCost()}, meta=meta)

@@ -10,6 +10,8 @@ B rows, row r verifying ``l_r`` drafts, costs ``CostModel.step_time``:
 
   target(B, q, kv)   = fixed_s + per_row_s * B + per_query_token_s * max(q - query_knee, 0)
                        + per_kv_token_s * kv
+                     (or, with ``query_segments``, a piecewise-linear query term in
+                     place of the ``per_query_token_s`` one: ``TargetCost``)
   draft_m(R_m, L_m, kv, verify_s)
                      = 0 when no row of method m drafts, else
                        fixed_s + per_row_s * R_m + per_step_s * L_m + per_row_token_s * R_m * L_m
@@ -74,16 +76,27 @@ def bucket(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TargetCost:
-  """Target forward seconds: ``fixed_s + per_row_s * rows + per_query_token_s *
-  max(q - query_knee, 0) + per_kv_token_s * kv`` (module docstring).
+  """Target forward seconds: ``fixed_s + per_row_s * rows + query term + per_kv_token_s *
+  kv`` (module docstring).
+
+  The query term is ``per_query_token_s * max(q - query_knee, 0)``, or, when
+  ``query_segments`` is given, piecewise linear in q: ``sum_j slope_j * clip(q - start_j,
+  0, start_{j+1} - start_j)`` over ``query_segments = ((start_0, slope_0), (start_1,
+  slope_1), ...)`` (tokens, seconds per token; the last segment is open-ended).
 
   ``query_knee`` (tokens, default 0: linear in q, the seed's form) is where the forward
   stops being bound by reading the weights: below it more query tokens ride along with
   the weight read for free (a roofline's flat part), above it each costs
-  ``per_query_token_s`` (its compute-bound slope). ``harness.cost_fit.fit`` chooses it.
+  ``per_query_token_s`` (its compute-bound slope). Segments follow a forward whose cost
+  per query token changes with the token count for other reasons (the matmul kernels
+  XLA picks for a small token count: on an H100 the 8B forward's 36th query token cost
+  twice the 144th, ``docs/gpu/cost_model_check/README.md``). ``harness.cost_fit.fit``
+  chooses the knee (``query_model="knee"``) or fits segments (``"segments"``).
 
   Raises:
-    ValueError: ``query_knee`` < 0.
+    ValueError: ``query_knee`` < 0; ``query_segments`` whose starts are not increasing
+      from >= 0, with a negative slope, or given together with a nonzero
+      ``per_query_token_s`` or ``query_knee``.
   """
 
   fixed_s: float
@@ -91,17 +104,42 @@ class TargetCost:
   per_kv_token_s: float
   per_row_s: float = 0.0
   query_knee: float = 0.0
+  query_segments: tuple = ()
 
   def __post_init__(self):
     if self.query_knee < 0:
       raise ValueError(f"query_knee={self.query_knee} must be >= 0 (query tokens)")
+    segments = tuple((float(a), float(b)) for a, b in self.query_segments)
+    object.__setattr__(self, "query_segments", segments)  # lists from JSON -> tuples
+    if not segments:
+      return
+    starts = [a for a, _ in segments]
+    if starts[0] < 0 or any(b <= a for a, b in zip(starts, starts[1:])) or any(
+        slope < 0 for _, slope in segments):
+      raise ValueError(f"query_segments={segments} must be (start tokens, seconds per "
+                       "token) pairs with starts increasing from >= 0 and slopes >= 0")
+    if self.per_query_token_s or self.query_knee:
+      raise ValueError(f"query_segments given with per_query_token_s="
+                       f"{self.per_query_token_s}, query_knee={self.query_knee}: give "
+                       "segments or a slope and knee, not both")
+
+  def query_time(self, query_tokens):
+    """Seconds of the query term for ``query_tokens`` tokens (float or array)."""
+    if not self.query_segments:
+      if self.query_knee:
+        query_tokens = np.maximum(np.asarray(query_tokens, float) - self.query_knee, 0.0)
+      return self.per_query_token_s * query_tokens
+    q = np.asarray(query_tokens, float)
+    starts = [a for a, _ in self.query_segments]
+    ends = [*starts[1:], np.inf]
+    total = sum(slope * np.clip(q - a, 0.0, b - a)
+                for (a, slope), b in zip(self.query_segments, ends))
+    return float(total) if np.ndim(total) == 0 else total
 
   def time(self, kv_tokens, query_tokens, rows=0):
     """Seconds (float, or an array if an argument is one) of a forward of ``rows`` rows,
     ``query_tokens`` tokens in all, reading ``kv_tokens`` KV positions in all."""
-    if self.query_knee:
-      query_tokens = np.maximum(np.asarray(query_tokens, float) - self.query_knee, 0.0)
-    return (self.fixed_s + self.per_row_s * rows + self.per_query_token_s * query_tokens
+    return (self.fixed_s + self.per_row_s * rows + self.query_time(query_tokens)
             + self.per_kv_token_s * kv_tokens)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness import cost_check
+from harness import cost_check, cost_fit
 from specjax.cost_model import bucket
 
 NEW_TOKENS = 64
@@ -67,3 +67,16 @@ def test_bad_inputs():
     cost_check.heldout_check(frame, _frame(layers=(16,)), new_tokens=NEW_TOKENS)
   with pytest.raises(ValueError, match="must both be non-empty"):
     cost_check.heldout_check(frame, frame.iloc[:0], new_tokens=NEW_TOKENS)
+
+
+def test_segments_scale_with_the_layer_count():
+  frame = _frame(layers=(4, 8, 12), batches=(1, 4, 16, 64, 128))
+  fit_rows, held = cost_check.split_heldout(frame, layers=(12,))
+  out = cost_check.heldout_check(fit_rows, held, new_tokens=NEW_TOKENS, query_model="segments")
+  np.testing.assert_allclose(out.pred_device_ms, out.device_ms, rtol=1e-6)
+  models = {n: cost_fit.fit([g], new_tokens=NEW_TOKENS, query_model="segments")
+            for n, g in fit_rows.groupby("num_layers")}
+  other = cost_fit.fit([fit_rows[(fit_rows.num_layers == 8) & (fit_rows.batch < 64)]],
+                       new_tokens=NEW_TOKENS, query_model="segments")
+  with pytest.raises(ValueError, match="segments scale only with the same starts"):
+    cost_check.scale_layers({4: models[4], 8: other}, 12)

@@ -92,3 +92,48 @@ def test_fit_finds_the_query_knee():
   assert cost_fit.fit([_loop_frame()]).target.query_knee == 0
   with pytest.raises(ValueError, match="query_knee=-1"):
     cost_model.TargetCost(fixed_s=0, per_query_token_s=0, per_kv_token_s=0, query_knee=-1)
+
+
+def test_fit_segments_follow_a_piecewise_query_cost():
+  # The H100's 8B forward: the cost per query token is not one number (dear between 4 and
+  # 36 tokens, cheap after). Timings made from a piecewise-linear query term with breaks
+  # at the segment starts the fit uses are fitted back exactly; the knee form cannot.
+  frame = _loop_frame()
+  q = np.asarray([cost_model.bucket(b) * (cost_model.bucket(n) + 1)
+                  for b, n in zip(frame.batch, frame.L)], float)
+  starts = cost_fit.query_segment_starts(q)
+  assert starts == [0.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
+  assert max(q) == 576 and sum(np.unique(q) > 256) == 2  # 512 has one count above: no start
+  slopes = {0.0: 0.0, 2.0: 0.03, 4.0: 0.03, 8.0: 0.03, 16.0: 0.01, 32.0: 0.01, 64.0: 0.01,
+            128.0: 0.02, 256.0: 0.02}
+  truth = cost_model.TargetCost(fixed_s=4e-3, per_query_token_s=0.0, per_kv_token_s=1e-7,
+                                query_segments=tuple((a, s * 1e-3) for a, s in slopes.items()))
+  kv = frame.batch * (frame.context + 64 / 2)
+  device = 1e3 * truth.time(kv.to_numpy(), q)
+  frame = frame.assign(device_ms=device, step_ms=device + (frame.step_ms - frame.device_ms))
+  model = cost_fit.fit([frame], new_tokens=64, query_model="segments")
+  assert [a for a, _ in model.target.query_segments] == starts
+  np.testing.assert_allclose([s for _, s in model.target.query_segments],
+                             [s for _, s in truth.query_segments], atol=1e-10)
+  assert model.meta["fit"]["target"]["max_abs_rel_error"] < 1e-6
+  assert cost_fit.fit([frame], new_tokens=64).meta["fit"]["target"]["max_abs_rel_error"] > 0.01
+  path_model = cost_model.CostModel.from_json(model.to_json())
+  assert path_model == model and path_model.target.time(0, 36) == model.target.time(0, 36)
+  with pytest.raises(ValueError, match="query_model='spline' must be one of"):
+    cost_fit.fit([frame], query_model="spline")
+
+
+def test_query_segments_time_and_errors():
+  t = cost_model.TargetCost(fixed_s=1.0, per_query_token_s=0.0, per_kv_token_s=0.5,
+                            query_segments=[[0, 1.0], [4, 0.25]])
+  assert t.query_segments == ((0.0, 1.0), (4.0, 0.25))
+  assert t.time(2, 3) == 1.0 + 3 + 1.0  # inside the first segment
+  assert t.time(0, 12) == 1.0 + 4 + 8 * 0.25  # past the last start: its slope, open-ended
+  np.testing.assert_allclose(t.time(0, np.array([3, 12])), [4.0, 7.0])
+  for bad in ([[1, 1.0], [1, 1.0]], [[-1, 1.0]], [[0, -1.0]]):
+    with pytest.raises(ValueError, match="starts increasing from >= 0 and slopes >= 0"):
+      cost_model.TargetCost(fixed_s=0, per_query_token_s=0, per_kv_token_s=0,
+                            query_segments=bad)
+  with pytest.raises(ValueError, match="not both"):
+    cost_model.TargetCost(fixed_s=0, per_query_token_s=1e-5, per_kv_token_s=0,
+                          query_segments=[[0, 1.0]])
