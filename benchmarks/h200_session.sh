@@ -489,6 +489,10 @@ for step in "$@"; do
           8b_fit_b16) a="$L8 --batch_sizes=16 --contexts=512,2048" ;;
           8b_fit_b64_c512) a="$L8 --batch_sizes=64 --contexts=512" ;;
           8b_fit_b128_c512) a="$L8 --batch_sizes=128 --contexts=512" ;;
+          # not in the default list: batch 128's KV cost beyond context 512 (the segments
+          # model's batch-128 error, docs/gpu/seed_study); as much KV as batch 64 at 2048,
+          # which ran out of memory on an H100's engine loop
+          8b_fit_b128_c1024) a="$L8 --batch_sizes=128 --contexts=1024" ;;
           8b_held) a="--target=llama3-8b --batch_sizes=4,32 --contexts=1024 --lengths=0,1,4" ;;
           70b_l*) a="$L70 --num_layers=${g#70b_l}" ;;
           *) echo "unknown cost_grid group $g"; continue ;;
