@@ -10,9 +10,10 @@ roofline's bend: query tokens that ride along with the weight read) is the best 
 scan over the measured query-token counts (``_fit_knee``); or, with
 ``query_model="segments"``, the query term is piecewise linear with a start at 0 and at
 every power of two inside the measured counts that has two distinct counts above it
-(``query_segment_starts``, ``_fit_segments``; each segment's slope >= 0). The model's JSON records the device, JAX version,
-dtype, target and files it came from, and per-part fit errors. The model itself (its
-terms, presets, ``load``) lives in ``specjax.cost_model``.
+(``query_segment_starts``, ``_fit_segments``; each segment's slope >= 0). The model's
+JSON records the device, JAX version, dtype, target and files it came from, and per-part
+fit errors. The model itself (its terms, presets, ``load``) lives in
+``specjax.cost_model``.
 """
 
 from __future__ import annotations
