@@ -32,8 +32,9 @@ case ${1:-} in
       | awk '{r = /\.csv$/ ? 0 : /session\.log$/ ? 1 : /\.log$/ ? 2 : /\.png$/ ? 4 : 3;
               print r "\t" $0}' | sort -k1,1n -k2 | cut -f2 > .unsent)
     head -n 8 $JOB/.unsent > $JOB/.sending
-    (cd $JOB && cut -d' ' -f2- .sending | xargs -r cp --parents -t "${OUT:?}")
-    cat $JOB/.sending >> $JOB/.sent
+    (cd $JOB && while IFS= read -r line; do  # "MTIME PATH"; marked sent once copied
+       cp --parents -- "${line#* }" "${OUT:?}" && printf '%s\n' "$line" >> .sent
+     done < .sending)
     left=$(( $(wc -l < $JOB/.unsent) - $(wc -l < $JOB/.sending) ))
     [ $left -gt 0 ] && echo "$left changed files left for the next poll"
     [ -e $JOB/DONE ] && echo "DONE" || echo "still running"

@@ -65,13 +65,18 @@ def _fit_knee(q: np.ndarray, kv: np.ndarray, y: np.ndarray):
 
 
 def query_segment_starts(q) -> list[float]:
-  """Segment starts for measured query-token counts ``q``: 0, then every power of two
-  above the smallest count with at least two distinct counts above it (two counts fix a
-  segment's slope; the last segment runs on past the largest count)."""
+  """Segment starts for measured query-token counts ``q``: 0, then, in increasing order,
+  each power of two p that closes a segment holding a measured count (two distinct counts
+  for the first segment, [0, p], which also fixes the constant; one for each later one,
+  (previous start, p]) and leaves two distinct counts above it for the open last segment.
+  Every slope is then pinned by the data (a linear spline's Schoenberg-Whitney condition)
+  and a sparse grid gets few segments, not an exact fit through its points."""
   distinct = np.unique(np.asarray(q, float))
   starts, p = [0.0], 1
   while p < distinct[-1]:
-    if p > distinct[0] and (distinct > p).sum() >= 2:
+    inside = ((distinct > starts[-1]) & (distinct <= p)).sum() if starts[-1] else (
+        distinct <= p).sum()
+    if inside >= (1 if starts[-1] else 2) and (distinct > p).sum() >= 2:
       starts.append(float(p))
     p *= 2
   return starts

@@ -94,8 +94,8 @@ class TargetCost:
   chooses the knee (``query_model="knee"``) or fits segments (``"segments"``).
 
   Raises:
-    ValueError: ``query_knee`` < 0; ``query_segments`` whose starts are not increasing
-      from >= 0, with a negative slope, or given together with a nonzero
+    ValueError: ``query_knee`` < 0; ``query_segments`` not finite, whose starts are not
+      increasing from >= 0, with a negative slope, or given together with a nonzero
       ``per_query_token_s`` or ``query_knee``.
   """
 
@@ -114,17 +114,20 @@ class TargetCost:
     if not segments:
       return
     starts = [a for a, _ in segments]
-    if starts[0] < 0 or any(b <= a for a, b in zip(starts, starts[1:])) or any(
-        slope < 0 for _, slope in segments):
-      raise ValueError(f"query_segments={segments} must be (start tokens, seconds per "
-                       "token) pairs with starts increasing from >= 0 and slopes >= 0")
+    if not np.all(np.isfinite(segments)) or starts[0] < 0 or any(
+        b <= a for a, b in zip(starts, starts[1:])) or any(slope < 0 for _, slope in segments):
+      raise ValueError(f"query_segments={segments} must be finite (start tokens, seconds "
+                       "per token) pairs with starts increasing from >= 0 and slopes >= 0")
     if self.per_query_token_s or self.query_knee:
       raise ValueError(f"query_segments given with per_query_token_s="
                        f"{self.per_query_token_s}, query_knee={self.query_knee}: give "
                        "segments or a slope and knee, not both")
 
   def query_time(self, query_tokens):
-    """Seconds of the query term for ``query_tokens`` tokens (float or array)."""
+    """Seconds of the query term for ``query_tokens`` tokens (a number, or an array for a
+    sequence)."""
+    if np.ndim(query_tokens):
+      query_tokens = np.asarray(query_tokens, float)
     if not self.query_segments:
       if self.query_knee:
         query_tokens = np.maximum(np.asarray(query_tokens, float) - self.query_knee, 0.0)

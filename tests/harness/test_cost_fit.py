@@ -104,6 +104,10 @@ def test_fit_segments_follow_a_piecewise_query_cost():
   starts = cost_fit.query_segment_starts(q)
   assert starts == [0.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
   assert max(q) == 576 and sum(np.unique(q) > 256) == 2  # 512 has one count above: no start
+  # A sparse grid gets only the segments its counts pin down: [0, 64] holds 1 and 36, and
+  # 144 and 576 lie above 64; 256 would leave one count for the open last segment.
+  assert cost_fit.query_segment_starts([1, 36, 144, 576]) == [0.0, 64.0]
+  assert cost_fit.query_segment_starts([1, 2, 5, 9, 16, 32]) == [0.0, 2.0, 8.0]
   slopes = {0.0: 0.0, 2.0: 0.03, 4.0: 0.03, 8.0: 0.03, 16.0: 0.01, 32.0: 0.01, 64.0: 0.01,
             128.0: 0.02, 256.0: 0.02}
   truth = cost_model.TargetCost(fixed_s=4e-3, per_query_token_s=0.0, per_kv_token_s=1e-7,
@@ -130,7 +134,8 @@ def test_query_segments_time_and_errors():
   assert t.time(2, 3) == 1.0 + 3 + 1.0  # inside the first segment
   assert t.time(0, 12) == 1.0 + 4 + 8 * 0.25  # past the last start: its slope, open-ended
   np.testing.assert_allclose(t.time(0, np.array([3, 12])), [4.0, 7.0])
-  for bad in ([[1, 1.0], [1, 1.0]], [[-1, 1.0]], [[0, -1.0]]):
+  np.testing.assert_allclose(t.time(0, [3, 12]), [4.0, 7.0])  # a list as an array
+  for bad in ([[1, 1.0], [1, 1.0]], [[-1, 1.0]], [[0, -1.0]], [[0, float("nan")]]):
     with pytest.raises(ValueError, match="starts increasing from >= 0 and slopes >= 0"):
       cost_model.TargetCost(fixed_s=0, per_query_token_s=0, per_kv_token_s=0,
                             query_segments=bad)

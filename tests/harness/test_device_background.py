@@ -30,6 +30,8 @@ def test_poll_sends_at_most_eight_files_csvs_first_and_the_rest_later(tmp_path):
   for i in range(7):
     (job / "step" / f"f{i}.log").write_text(f"{i}\n")
   (job / "step" / "results.csv").write_text("a\n")
+  (job / "step b").mkdir()
+  (job / "step b" / "it's a.log").write_text("spaces and a quote\n")
   (job / "step" / "model.bin").write_text("not sent\n")
 
   first = _poll(job, out)
@@ -37,7 +39,7 @@ def test_poll_sends_at_most_eight_files_csvs_first_and_the_rest_later(tmp_path):
   assert {"step/results.csv", "session.log"} <= first
   second = _poll(job, out)
   assert first | second == {"driver.log", "session.log", "step/results.csv",
-                            *(f"step/f{i}.log" for i in range(7))}
+                            "step b/it's a.log", *(f"step/f{i}.log" for i in range(7))}
   assert not first & second
   assert _poll(job, out) == set()
 
