@@ -22,7 +22,14 @@ import platform
 
 import numpy as np
 
-from specjax.cost_model import CostModel, DraftCost, OverheadCost, TargetCost, bucket
+from specjax.cost_model import (
+  CostModel,
+  DraftCost,
+  OverheadCost,
+  TargetCost,
+  bucket,
+  segment_widths,
+)
 
 __all__ = ["QUERY_MODELS", "fit", "mean_kv_per_row", "query_segment_starts"]
 
@@ -82,17 +89,12 @@ def query_segment_starts(q) -> list[float]:
   return starts
 
 
-def _segment_features(q: np.ndarray, starts) -> np.ndarray:
-  ends = [*starts[1:], np.inf]
-  return np.stack([np.clip(q - a, 0.0, b - a) for a, b in zip(starts, ends)], 1)
-
-
 def _fit_segments(q: np.ndarray, kv: np.ndarray, y: np.ndarray):
   """The fit of ``[1, segments(q), kv]`` (``query_segment_starts``): (fixed, segments as
   ``(start, slope)`` pairs, per-KV-token) and fit statistics."""
   starts = query_segment_starts(q)
-  features = np.concatenate([np.ones((len(q), 1)), _segment_features(q, starts),
-                             kv[:, None]], 1)
+  features = np.concatenate([np.ones((len(q), 1)), segment_widths(q, starts), kv[:, None]],
+                            1)
   coef, stats = _nnls(features, y)
   stats["query_segment_starts"] = starts
   return coef[0], tuple(zip(starts, coef[1:-1].tolist())), coef[-1], stats

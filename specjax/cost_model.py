@@ -63,7 +63,7 @@ import numpy as np
 
 __all__ = ["ANY_METHOD", "PRESETS", "CostModel", "DraftCost", "LinearVerifyCost",
            "OverheadCost", "StepCost", "StepCostModel", "TableVerifyCost", "TargetCost",
-           "bucket", "load", "preset"]
+           "bucket", "load", "preset", "segment_widths"]
 
 ANY_METHOD = "*"
 """Key of ``CostModel.drafts`` whose draft cost applies to every method not listed."""
@@ -72,6 +72,17 @@ ANY_METHOD = "*"
 def bucket(n: int) -> int:
   """Next power of two >= n (the engine's batch and draft-length buckets), 0 for 0."""
   return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
+
+def segment_widths(query_tokens, starts) -> np.ndarray:
+  """How many of ``query_tokens`` fall in each segment ``[starts[j], starts[j + 1])`` (the
+  last open-ended): ``clip(q - start_j, 0, start_{j+1} - start_j)``, f64 of shape
+  ``shape(query_tokens) + (len(starts),)``; the piecewise query term is this times the
+  slopes (``TargetCost``), and ``harness.cost_fit`` fits the slopes on it."""
+  q = np.asarray(query_tokens, float)[..., None]
+  lo = np.asarray(starts, float)
+  hi = np.append(lo[1:], np.inf)
+  return np.clip(q - lo, 0.0, hi - lo)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,11 +143,8 @@ class TargetCost:
       if self.query_knee:
         query_tokens = np.maximum(np.asarray(query_tokens, float) - self.query_knee, 0.0)
       return self.per_query_token_s * query_tokens
-    q = np.asarray(query_tokens, float)
-    starts = [a for a, _ in self.query_segments]
-    ends = [*starts[1:], np.inf]
-    total = sum(slope * np.clip(q - a, 0.0, b - a)
-                for (a, slope), b in zip(self.query_segments, ends))
+    starts, slopes = zip(*self.query_segments)
+    total = segment_widths(query_tokens, starts) @ np.asarray(slopes)
     return float(total) if np.ndim(total) == 0 else total
 
   def time(self, kv_tokens, query_tokens, rows=0):
