@@ -190,6 +190,21 @@ def engine_groups(points) -> list[list[Point]]:
   return list(groups.values())
 
 
+def check_point_order(points) -> None:
+  """Raises ValueError (before anything is measured) if a ``verify_skip_k{k}`` point's
+  cost table cannot be built: it needs the AR point and the ``ngram_k{k}`` point measured
+  before it in the same run (``engine_groups`` order; ``verify_skip_method``)."""
+  seen = set()
+  for group in engine_groups(points):
+    head = group[0]
+    if head.drafter == "verify_skip":
+      missing = [x for x in ("ar", f"ngram_k{head.length}") if x not in seen]
+      if missing:
+        raise ValueError(f"point {head.label} needs {missing} before it in the same run "
+                         f"(points in order: {[p.label for p in points]})")
+    seen.update(p.label for p in group)
+
+
 def _mean_of(times: dict, *key) -> float:
   """Mean of ``times`` over the repeats of ``key`` (its keys are ``(*key, repeat)``);
   NaN if none was measured yet."""
@@ -240,6 +255,7 @@ def measure_study(cfg: StudyConfig, split, model_cfg, *, target: str, dtype: str
   from specjax.config import EngineConfig  # noqa: PLC0415
   from specjax.engine import Engine  # noqa: PLC0415
 
+  check_point_order(cfg.points)
   files = {}
   for path in cfg.files:
     data = os.path.basename(path).removeprefix("combined_").removesuffix(".jsonl")

@@ -60,6 +60,15 @@ def test_bad_points_are_errors():
     seed_study.study_points((0, 3), (8,))
   with pytest.raises(ValueError, match="needs the ar and ngram_k5 points measured before"):
     seed_study.verify_skip_method(5, 4, {("d", 0): 5.0}, {("d", 3, 0): 6.0})
+  points = {p.label: p for p in seed_study.study_points()}
+  seed_study.check_point_order(list(points.values()))  # the full list is in order
+  seed_study.check_point_order([points[x] for x in ("ar", "ngram_k5", "verify_skip_k5")])
+  # The batch-64 run of 2026-12-07 measured five points for 15 min, then stopped here:
+  with pytest.raises(ValueError, match=r"verify_skip_k5 needs \['ngram_k5'\] before it"):
+    seed_study.check_point_order([points[x] for x in ("ar", "eagle3_k5", "verify_skip_k5")])
+  with pytest.raises(ValueError, match=r"needs \['ar', 'ngram_k3'\]"):
+    seed_study.check_point_order(
+        [seed_study.Point("verify_skip_k3", "verify_skip", seed_study.NGRAM, 3, None)])
 
 
 def test_measured_tau_equals_the_simulator_at_batch_one(tmp_path):
